@@ -1,0 +1,186 @@
+"""The common metadata builder: host-side work of a step, then one copy of each dtype to the device."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pagedattn.attention.metadata import AttentionMetadata
+from pagedattn.attention.types import PAD_SLOT_ID, ScheduledSeq
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _slots(block_table: Sequence[int], start: int, stop: int, block_size: int) -> list[int]:
+    """Slots of positions [start, stop) of a sequence with this block table."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, stop)]
+
+
+class MetadataBuilder:
+    """Turns a step's `[ScheduledSeq]` (prefills first) into `AttentionMetadata` on `device`.
+
+    With `sliding_window`, leading blocks that no query of the step can see are dropped from the
+    tables; the sequence's positions shift by whole blocks, so results do not change.
+    Backends with extra metadata subclass this and override `metadata_cls` / `_extend`.
+    """
+
+    metadata_cls: type[AttentionMetadata] = AttentionMetadata
+
+    def __init__(self, block_size: int, device: torch.device | str, *, sliding_window: int | None = None):
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"expected block_size >= 1, got {block_size!r}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"expected sliding_window >= 1 or None, got {sliding_window}")
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.sliding_window = sliding_window
+
+    def build(self, seqs: Sequence[ScheduledSeq], *, cuda_graph_pad_to: int | None = None) -> AttentionMetadata:
+        self._validate(seqs, cuda_graph_pad_to)
+        bs = self.block_size
+        num_prefills = sum(s.is_prefill for s in seqs)
+        seq_lens, context_lens, query_lens, tables, slots = [], [], [], [], []
+        for s in seqs:
+            slots += _slots(s.block_table, s.context_len, s.seq_len, bs)
+            drop = self._dropped_blocks(s)
+            seq_lens.append(s.seq_len - drop * bs)
+            context_lens.append(s.context_len - drop * bs)
+            query_lens.append(s.query_len)
+            tables.append(list(s.block_table[drop:]))
+        num_prefill_tokens = sum(query_lens[:num_prefills])
+        num_decode_tokens = len(seqs) - num_prefills
+        real_decode_lens = seq_lens[num_prefills:]
+        if cuda_graph_pad_to is not None:
+            pad = cuda_graph_pad_to - len(seqs)
+            seq_lens += [1] * pad
+            context_lens += [0] * pad
+            query_lens += [1] * pad
+            tables += [[]] * pad
+            slots += [PAD_SLOT_ID] * pad
+            num_decode_tokens += pad
+
+        enc = self._encoder_fields(seqs, num_prefills, pad_to=len(seq_lens))
+        num_seqs = len(seq_lens)
+        query_start = _cumsum(query_lens)
+        seq_start = _cumsum(seq_lens)
+        # The decode part's start locations, re-based to 0 (for `decode_metadata`).
+        dq = [x - query_start[num_prefills] for x in query_start[num_prefills:]]
+        ds = [x - seq_start[num_prefills] for x in seq_start[num_prefills:]]
+        width = max((len(t) for t in tables), default=0)
+        rows = [t + [0] * (width - len(t)) for t in tables]
+
+        int32_parts = [seq_lens, context_lens, query_start, seq_start, dq, ds, [x for r in rows for x in r]]
+        int64_parts = [slots]
+        if enc:
+            int32_parts += [enc["lens"], enc["start"], enc["cross_rows_flat"]]
+            int64_parts += [enc["cross_slots"]]
+        i32 = self._to_device(int32_parts, torch.int32)
+        i64 = self._to_device(int64_parts, torch.int64)
+
+        md = self.metadata_cls(
+            num_prefills=num_prefills,
+            num_prefill_tokens=num_prefill_tokens,
+            num_decode_tokens=num_decode_tokens,
+            block_size=bs,
+            slot_mapping=i64[0],
+            seq_lens=seq_lens,
+            query_lens=query_lens,
+            seq_lens_tensor=i32[0],
+            context_lens_tensor=i32[1],
+            query_start_loc=i32[2],
+            seq_start_loc=i32[3],
+            block_tables=i32[6].view(num_seqs, width),
+            max_query_len=max(query_lens, default=0),
+            max_prefill_seq_len=max(seq_lens[:num_prefills], default=0),
+            max_decode_seq_len=max(real_decode_lens, default=0),
+            use_cuda_graph=cuda_graph_pad_to is not None,
+        )
+        md._views["rebased"] = (i32[4], i32[5])
+        if enc:
+            md.num_encoder_tokens = enc["num_tokens"]
+            md.encoder_seq_lens = enc["lens"]
+            md.encoder_seq_lens_tensor = i32[7]
+            md.encoder_seq_start_loc = i32[8]
+            md.max_encoder_seq_len = max(enc["lens"], default=0)
+            md.cross_block_tables = i32[9].view(num_seqs, enc["cross_width"])
+            md.cross_slot_mapping = i64[1]
+        self._extend(md, seqs)
+        return md
+
+    def _extend(self, md: AttentionMetadata, seqs: Sequence[ScheduledSeq]) -> None:
+        """Hook for backends that add fields (their plan inputs) to the metadata."""
+
+    def _dropped_blocks(self, s: ScheduledSeq) -> int:
+        """Leading blocks wholly outside the window of the step's first query (position context_len)."""
+        if self.sliding_window is None:
+            return 0
+        first_visible = s.context_len - self.sliding_window + 1
+        return max(0, first_visible) // self.block_size
+
+    def _validate(self, seqs: Sequence[ScheduledSeq], pad_to: int | None) -> None:
+        seen_decode = False
+        for i, s in enumerate(seqs):
+            if not isinstance(s, ScheduledSeq):
+                raise TypeError(f"expected ScheduledSeq at index {i}, got {type(s).__name__}")
+            if s.is_prefill and seen_decode:
+                raise ValueError(f"prefills must be listed before decodes, got a prefill at index {i} after a decode")
+            seen_decode |= not s.is_prefill
+            need = _cdiv(s.seq_len, self.block_size)
+            if len(s.block_table) < need:
+                raise ValueError(
+                    f"sequence {i}: block table too short, expected >= {need} blocks for seq_len={s.seq_len} "
+                    f"(block_size={self.block_size}), got {len(s.block_table)}"
+                )
+            if any(b < 0 for b in s.block_table):
+                raise ValueError(f"sequence {i}: expected block ids >= 0, got {list(s.block_table)}")
+            if s.cross_block_table and len(s.cross_block_table) < _cdiv(s.encoder_len, self.block_size):
+                raise ValueError(
+                    f"sequence {i}: cross block table too short, expected >= {_cdiv(s.encoder_len, self.block_size)} "
+                    f"blocks for encoder_len={s.encoder_len}, got {len(s.cross_block_table)}"
+                )
+        if pad_to is not None:
+            if any(s.is_prefill for s in seqs):
+                raise ValueError("cuda_graph_pad_to needs a decode-only batch, got prefills")
+            if pad_to < len(seqs):
+                raise ValueError(f"expected cuda_graph_pad_to >= {len(seqs)} sequences, got {pad_to}")
+
+    def _encoder_fields(self, seqs: Sequence[ScheduledSeq], num_prefills: int, pad_to: int) -> dict | None:
+        if not any(s.encoder_len or s.cross_block_table for s in seqs):
+            return None
+        lens = [s.encoder_len for s in seqs] + [0] * (pad_to - len(seqs))
+        prefill_lens = lens[:num_prefills]
+        cross_slots: list[int] = []
+        for s in seqs[:num_prefills]:
+            if s.cross_block_table:
+                cross_slots += _slots(s.cross_block_table, 0, s.encoder_len, self.block_size)
+            else:
+                cross_slots += [PAD_SLOT_ID] * s.encoder_len
+        cross = [list(s.cross_block_table) for s in seqs] + [[]] * (pad_to - len(seqs))
+        width = max((len(t) for t in cross), default=0)
+        return dict(
+            num_tokens=sum(prefill_lens),
+            lens=lens,
+            start=_cumsum(prefill_lens),
+            cross_slots=cross_slots,
+            cross_width=width,
+            cross_rows_flat=[x for t in cross for x in t + [0] * (width - len(t))],
+        )
+
+    def _to_device(self, parts: list[list[int]], dtype: torch.dtype) -> list[torch.Tensor]:
+        """One host tensor, one (pinned, non-blocking) copy, then views per part."""
+        flat = torch.tensor([x for p in parts for x in p], dtype=dtype)
+        if self.device.type == "cuda":
+            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        elif self.device != flat.device:
+            flat = flat.to(self.device)
+        return list(torch.split(flat, [len(p) for p in parts]))
+
+
+def _cumsum(xs: list[int]) -> list[int]:
+    out = [0]
+    for x in xs:
+        out.append(out[-1] + x)
+    return out

@@ -1,0 +1,182 @@
+"""Per-step attention metadata: built once per step by a builder, shared by every layer.
+
+Token layout of a step: `[prefill tokens | decode tokens | CUDA-graph padding]`; prefills come
+first. Device tensors describe the batch for kernels; host ints/lists (`seq_lens`, `query_lens`,
+the `max_*` values) size launches without a device synchronisation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pagedattn.attention.types import PAD_SLOT_ID
+
+
+@dataclass
+class AttentionMetadata:
+    """The common metadata of every backend (API.md section 2).
+
+    Shapes: `T` tokens, `B` sequences (graph padding included), `W` blocks per table row.
+    """
+
+    num_prefills: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    block_size: int
+    slot_mapping: torch.Tensor  # int64 [T]; -1 = write nothing
+    seq_lens: list[int]  # host [B]; after sliding-window trimming
+    query_lens: list[int]  # host [B]
+    seq_lens_tensor: torch.Tensor  # int32 [B]
+    context_lens_tensor: torch.Tensor  # int32 [B]
+    query_start_loc: torch.Tensor  # int32 [B+1]
+    seq_start_loc: torch.Tensor  # int32 [B+1]
+    block_tables: torch.Tensor  # int32 [B, W]
+    max_query_len: int
+    max_prefill_seq_len: int
+    max_decode_seq_len: int
+    use_cuda_graph: bool = False
+    # Encoder-decoder models: the encoder tokens of the step are those of its prefills.
+    num_encoder_tokens: int = 0
+    encoder_seq_lens: list[int] | None = None  # host [B]
+    encoder_seq_lens_tensor: torch.Tensor | None = None  # int32 [B]
+    encoder_seq_start_loc: torch.Tensor | None = None  # int32 [num_prefills+1]
+    max_encoder_seq_len: int = 0
+    cross_slot_mapping: torch.Tensor | None = None  # int64 [num_encoder_tokens]
+    cross_block_tables: torch.Tensor | None = None  # int32 [B, W_cross]
+    _views: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens_tensor.shape[0]
+
+    @property
+    def prefill_metadata(self) -> AttentionMetadata | None:
+        """The prefill-only part of the step (cached), or None when the step has no prefill."""
+        if self.num_prefills == 0:
+            return None
+        if self.num_decode_tokens == 0:
+            return self
+        if "prefill" not in self._views:
+            self._views["prefill"] = self._slice(prefill=True)
+        return self._views["prefill"]
+
+    @property
+    def decode_metadata(self) -> AttentionMetadata | None:
+        """The decode-only part of the step (cached; start locations re-based to 0), or None."""
+        if self.num_decode_tokens == 0:
+            return None
+        if self.num_prefills == 0:
+            return self
+        if "decode" not in self._views:
+            self._views["decode"] = self._slice(prefill=False)
+        return self._views["decode"]
+
+    def _slice(self, prefill: bool) -> AttentionMetadata:
+        p, pt = self.num_prefills, self.num_prefill_tokens
+        seqs = slice(None, p) if prefill else slice(p, None)
+        enc = self.encoder_seq_lens_tensor
+        changes: dict[str, Any] = dict(
+            num_prefills=p if prefill else 0,
+            num_prefill_tokens=pt if prefill else 0,
+            num_decode_tokens=0 if prefill else self.num_decode_tokens,
+            slot_mapping=self.slot_mapping[:pt] if prefill else self.slot_mapping[pt:],
+            seq_lens=self.seq_lens[seqs],
+            query_lens=self.query_lens[seqs],
+            seq_lens_tensor=self.seq_lens_tensor[seqs],
+            context_lens_tensor=self.context_lens_tensor[seqs],
+            block_tables=self.block_tables[seqs],
+            max_query_len=self.max_query_len if prefill else 1,
+            max_prefill_seq_len=self.max_prefill_seq_len if prefill else 0,
+            max_decode_seq_len=0 if prefill else self.max_decode_seq_len,
+            use_cuda_graph=False if prefill else self.use_cuda_graph,
+            num_encoder_tokens=self.num_encoder_tokens if prefill else 0,
+            encoder_seq_lens=None if self.encoder_seq_lens is None else self.encoder_seq_lens[seqs],
+            encoder_seq_lens_tensor=None if enc is None else enc[seqs],
+            encoder_seq_start_loc=self.encoder_seq_start_loc if prefill else None,
+            cross_slot_mapping=self.cross_slot_mapping if prefill else None,
+            cross_block_tables=None if self.cross_block_tables is None else self.cross_block_tables[seqs],
+            _views={},
+        )
+        if prefill:
+            changes["query_start_loc"] = self.query_start_loc[: p + 1]
+            changes["seq_start_loc"] = self.seq_start_loc[: p + 1]
+        else:
+            # Decode start locations are re-based to 0; the builder stored them after the batch's.
+            b = self.num_seqs
+            changes["query_start_loc"] = self._rebased[0][: b - p + 1]
+            changes["seq_start_loc"] = self._rebased[1][: b - p + 1]
+        if self.encoder_seq_lens is not None and not prefill:
+            changes["max_encoder_seq_len"] = max(self.encoder_seq_lens[p:], default=0)
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def _rebased(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # Filled by the builder: decode-part query/seq start locations starting at 0.
+        return self._views["rebased"]
+
+    def advance_step(
+        self,
+        input_tokens: torch.Tensor,
+        input_positions: torch.Tensor,
+        sampled_token_ids: torch.Tensor,
+        block_size: int,
+        num_seqs: int,
+        num_queries: int,
+    ) -> None:
+        """Advance a decode-only batch by one token, in place on the device, with no host sync.
+
+        Args:
+            input_tokens: int64 [num_seqs]; rows < num_queries receive the sampled tokens.
+            input_positions: int64 [num_seqs]; rows < num_queries advance by one.
+            sampled_token_ids: int64 [num_queries, 1].
+            block_size: tokens per block; must equal the builder's.
+            num_seqs: rows of the batch, graph padding included.
+            num_queries: real sequences; rows num_queries..num_seqs are padding (slot -1).
+        The block tables must already hold the block of each new position (lookahead blocks).
+        """
+        self._check_advance(input_tokens, input_positions, sampled_token_ids, block_size, num_seqs, num_queries)
+        n = num_queries
+        input_tokens[:n].copy_(sampled_token_ids[:n, 0])
+        input_positions[:n] += 1
+        self.seq_lens_tensor[:n] += 1
+        self.context_lens_tensor[:n] += 1
+        pos = self.seq_lens_tensor[:n].long() - 1  # [n] position of the new token
+        blocks = self.block_tables[:n].gather(1, (pos // block_size).unsqueeze(1)).squeeze(1)
+        self.slot_mapping[:n] = blocks.long() * block_size + pos % block_size
+        self.slot_mapping[n:num_seqs] = PAD_SLOT_ID
+        steps = torch.arange(1, num_seqs + 1, device=self.seq_start_loc.device, dtype=torch.int32)
+        self.seq_start_loc[1:] += steps.clamp_(max=n)
+        self._advance_host(n)
+
+    def _check_advance(self, input_tokens, input_positions, sampled_token_ids, block_size, num_seqs, num_queries):
+        if self.num_prefills:
+            raise ValueError(f"advance_step needs a decode-only batch, got num_prefills={self.num_prefills}")
+        if block_size != self.block_size:
+            raise ValueError(f"expected block_size={self.block_size} (the builder's), got {block_size}")
+        if num_seqs != self.num_seqs or not 0 <= num_queries <= num_seqs:
+            raise ValueError(
+                f"expected num_seqs={self.num_seqs} and 0 <= num_queries <= num_seqs, "
+                f"got num_seqs={num_seqs}, num_queries={num_queries}"
+            )
+        for name, t in (("input_tokens", input_tokens), ("input_positions", input_positions)):
+            if t.dtype != torch.int64 or t.shape[0] < num_seqs:
+                raise ValueError(f"expected {name} int64 [>= {num_seqs}], got {t.dtype} {list(t.shape)}")
+        if sampled_token_ids.dim() != 2 or sampled_token_ids.shape[0] < num_queries:
+            raise ValueError(
+                f"expected sampled_token_ids [{num_queries}, 1], got {list(sampled_token_ids.shape)}"
+            )
+
+    def _advance_host(self, n: int) -> None:
+        for i in range(n):
+            self.seq_lens[i] += 1
+        if n:
+            self.max_decode_seq_len = max(self.seq_lens[:n]) if self.seq_lens else self.max_decode_seq_len + 1
+        self._views = {"rebased": self._views.get("rebased")}

@@ -1,0 +1,1 @@
+"""One module per backend; the registry imports them lazily by name."""

@@ -1,0 +1,106 @@
+"""KV-cache operations in PyTorch: store K/V at slots (FP8 quantisation), swap and copy blocks.
+
+All are free of host synchronisation, so they run inside CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedattn.attention.types import FP8_DTYPES
+
+
+def quantize(x: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` in the cache's dtype: FP8 caches hold `x / scale` saturated to the finite range."""
+    if dtype not in FP8_DTYPES:
+        return x.to(dtype)
+    fmax = torch.finfo(dtype).max
+    return (x.float() / scale).clamp_(-fmax, fmax).to(dtype)
+
+
+def dequantize(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+    """Float32 values of cache entries: FP8 entries are multiplied back by `scale`."""
+    return x.float() * scale if x.dtype in FP8_DTYPES else x.float()
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
+) -> None:
+    """Write token `t` of `key`/`value` at slot `slot_mapping[t]`; slots of -1 write nothing.
+
+    Args:
+        key, value: [T, Hkv, D].
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D], any strides.
+        slot_mapping: int64 [T].
+    """
+    t = slot_mapping.shape[0]
+    if key.shape[0] != t or value.shape[0] != t:
+        raise ValueError(f"expected key/value of {t} tokens (the slot mapping's), got {key.shape[0]}/{value.shape[0]}")
+    if t == 0:
+        return
+    block_size = k_cache.shape[1]
+    valid = slot_mapping >= 0
+    # Padding rows rewrite a real row (same slot, same value), or, with no real row, the
+    # current content of slot 0: duplicate writes of equal values are harmless and need no
+    # data-dependent shapes (no host synchronisation).
+    rows = torch.arange(t, device=slot_mapping.device)
+    first_real = valid.to(torch.int8).argmax()
+    rows = torch.where(valid, rows, first_real)
+    slots = slot_mapping[rows].clamp(min=0)
+    blocks, offsets = slots // block_size, slots % block_size
+    any_real = valid.any()
+    for src, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        new = quantize(src[rows], scale, cache.dtype)
+        new = torch.where(any_real, new, cache[blocks, offsets])
+        cache.index_put_((blocks, offsets), new)
+
+
+def _check_mapping(mapping: torch.Tensor, name: str) -> None:
+    if mapping.dtype != torch.int64 or mapping.dim() != 2 or mapping.shape[1] != 2:
+        raise ValueError(f"expected {name} int64 [N, 2], got {mapping.dtype} {list(mapping.shape)}")
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, src_to_dst: torch.Tensor, block_dim: int) -> None:
+    """Copy whole blocks (K and V) from `src` to `dst`, which may live on different devices.
+
+    `src_to_dst`: int64 [N, 2] on the CPU; `block_dim` is the layout's block dimension.
+    """
+    _check_mapping(src_to_dst, "src_to_dst")
+    if src_to_dst.device.type != "cpu":
+        raise ValueError(f"expected src_to_dst on the CPU, got {src_to_dst.device}")
+    if src.dtype != dst.dtype:
+        raise TypeError(f"expected caches of one dtype, got {src.dtype} and {dst.dtype}")
+    rest = lambda x: x.shape[:block_dim] + x.shape[block_dim + 1 :]  # noqa: E731
+    if rest(src) != rest(dst):
+        raise ValueError(f"expected caches that differ only in num_blocks, got {list(src.shape)} and {list(dst.shape)}")
+    if src_to_dst.numel() == 0:
+        return
+    s, d = src_to_dst[:, 0], src_to_dst[:, 1]
+    for name, idx, cache in (("source", s, src), ("destination", d, dst)):
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= cache.shape[block_dim]:
+            raise IndexError(f"expected {name} blocks in [0, {cache.shape[block_dim]}), got [{lo}, {hi}]")
+    blocks = src.index_select(block_dim, s.to(src.device))
+    dst.index_copy_(block_dim, d.to(dst.device), blocks.to(dst.device, non_blocking=True))
+
+
+def copy_blocks(kv_caches: list[torch.Tensor], src_to_dists: torch.Tensor, block_dim: int) -> None:
+    """Within every layer's cache, copy block `src_to_dists[i, 0]` to `src_to_dists[i, 1]`.
+
+    `src_to_dists`: int64 [N, 2] on the caches' device (ids are not range-checked: that
+    would synchronise; out-of-range ids fail inside the indexing op).
+    """
+    _check_mapping(src_to_dists, "src_to_dists")
+    if src_to_dists.numel() == 0:
+        return
+    s, d = src_to_dists[:, 0], src_to_dists[:, 1]
+    for cache in kv_caches:
+        if cache.device != src_to_dists.device:
+            raise ValueError(f"expected src_to_dists on the caches' device {cache.device}, got {src_to_dists.device}")
+        cache.index_copy_(block_dim, d, cache.index_select(block_dim, s))
