@@ -41,6 +41,11 @@ class AttentionBackend:
     def get_impl_cls() -> type[AttentionImpl]:
         raise NotImplementedError
 
+    @classmethod
+    def provider(cls) -> str:
+        """The library whose kernels run this backend (for `pagedattn info`)."""
+        return cls.get_name()
+
     @staticmethod
     def get_metadata_cls() -> type[AttentionMetadata]:
         return AttentionMetadata

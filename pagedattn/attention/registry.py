@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedattn.attention.backend import AttentionBackend
@@ -25,39 +24,25 @@ class BackendStatus:
     provider: str = ""
 
 
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _missing(module: str, extra: str) -> list[str]:
-    if importlib.util.find_spec(module) is None:
-        return [f"{module} is not installed (pip install 'pagedattn[{extra}]')"]
-    return []
-
-
-def _torch_reasons() -> list[str]:
-    return []
-
-
-def _not_yet(issue: str) -> Callable[[], list[str]]:
-    return lambda: [f"not implemented yet ({issue})"]
-
-
 @dataclass(frozen=True)
 class _Entry:
     module: str
     cls: str
-    reasons: Callable[[], list[str]]
+
+    def reasons(self) -> list[str]:
+        """Why this backend cannot run here (empty: it can). Each backend module answers for
+        itself through `unavailable_reasons()`, importing no optional dependency to do so."""
+        if importlib.util.find_spec(self.module) is None:
+            return ["not implemented yet"]
+        return importlib.import_module(self.module).unavailable_reasons()
 
 
 _REGISTRY: dict[str, _Entry] = {
-    "torch": _Entry("pagedattn.backends.torch_backend", "TorchBackend", _torch_reasons),
-    "triton": _Entry("pagedattn.backends.triton_backend", "TritonBackend", _not_yet("the Triton kernels issue")),
-    "flash_attn": _Entry("pagedattn.backends.flash_attn_backend", "FlashAttnBackend", _not_yet("the flash_attn issue")),
-    "flashinfer": _Entry("pagedattn.backends.flashinfer_backend", "FlashInferBackend", _not_yet("the FlashInfer issue")),
-    "xformers": _Entry("pagedattn.backends.xformers_backend", "XFormersBackend", _not_yet("the xFormers issue")),
+    "torch": _Entry("pagedattn.backends.torch_backend", "TorchBackend"),
+    "triton": _Entry("pagedattn.backends.triton_backend", "TritonBackend"),
+    "flash_attn": _Entry("pagedattn.backends.flash_attn_backend", "FlashAttnBackend"),
+    "flashinfer": _Entry("pagedattn.backends.flashinfer_backend", "FlashInferBackend"),
+    "xformers": _Entry("pagedattn.backends.xformers_backend", "XFormersBackend"),
 }
 # "auto" takes the first available of these for the device.
 _AUTO_ORDER = {"cuda": ("triton", "flashinfer", "torch"), "cpu": ("torch",)}
@@ -77,8 +62,8 @@ def list_backends() -> list[BackendStatus]:
 
 
 def _provider(name: str) -> str:
-    cls = _load(name)
-    return getattr(cls, "provider", lambda: name)()
+    """Which library runs the backend's kernels (a backend named after a library may run ours)."""
+    return _load(name).provider()
 
 
 def _load(name: str) -> type[AttentionBackend]:
@@ -99,7 +84,9 @@ def get_backend(name: str = "auto") -> type[AttentionBackend]:
         forced = os.environ.get(ENV_VAR)
         if forced:
             return get_backend(forced)
-        device = "cuda" if _cuda() else "cpu"
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
         for candidate in _AUTO_ORDER[device]:
             if not _REGISTRY[candidate].reasons():
                 return _load(candidate)

@@ -17,6 +17,10 @@ from pagedattn.attention.types import AttentionType
 from pagedattn.kv_cache import dequantize, store_kv
 
 
+def unavailable_reasons() -> list[str]:
+    return []
+
+
 class TorchBackend(AttentionBackend):
     capabilities = Capabilities()
 
