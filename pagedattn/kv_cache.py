@@ -56,9 +56,15 @@ def store_kv(
     blocks, offsets = slots // block_size, slots % block_size
     any_real = valid.any()
     for src, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
-        new = quantize(src[rows], scale, cache.dtype)
-        new = torch.where(any_real, new, cache[blocks, offsets])
-        cache.index_put_((blocks, offsets), new)
+        new = _raw(quantize(src[rows], scale, cache.dtype))
+        raw = _raw(cache)
+        new = torch.where(any_real, new, raw[blocks, offsets])
+        raw.index_put_((blocks, offsets), new)
+
+
+def _raw(cache: torch.Tensor) -> torch.Tensor:
+    """FP8 caches as bytes: indexing ops lack FP8 kernels on some devices, and copies are bitwise."""
+    return cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache
 
 
 def _check_mapping(mapping: torch.Tensor, name: str) -> None:
@@ -86,8 +92,8 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, src_to_dst: torch.Tensor, 
         lo, hi = int(idx.min()), int(idx.max())
         if lo < 0 or hi >= cache.shape[block_dim]:
             raise IndexError(f"expected {name} blocks in [0, {cache.shape[block_dim]}), got [{lo}, {hi}]")
-    blocks = src.index_select(block_dim, s.to(src.device))
-    dst.index_copy_(block_dim, d.to(dst.device), blocks.to(dst.device, non_blocking=True))
+    blocks = _raw(src).index_select(block_dim, s.to(src.device))
+    _raw(dst).index_copy_(block_dim, d.to(dst.device), blocks.to(dst.device, non_blocking=True))
 
 
 def copy_blocks(kv_caches: list[torch.Tensor], src_to_dists: torch.Tensor, block_dim: int) -> None:
@@ -103,4 +109,5 @@ def copy_blocks(kv_caches: list[torch.Tensor], src_to_dists: torch.Tensor, block
     for cache in kv_caches:
         if cache.device != src_to_dists.device:
             raise ValueError(f"expected src_to_dists on the caches' device {cache.device}, got {src_to_dists.device}")
-        cache.index_copy_(block_dim, d, cache.index_select(block_dim, s))
+        raw = _raw(cache)
+        raw.index_copy_(block_dim, d, raw.index_select(block_dim, s))
