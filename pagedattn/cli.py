@@ -56,7 +56,7 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
-    from pagedattn.bench import bench_main
+    from pagedattn.benchmarks import bench_main
 
     return bench_main(args)
 
@@ -79,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks (kernels against peers, engine against transformers)")
     b.add_argument("what", choices=["kernels", "engine"])
     b.add_argument("--out", default=None, help="write the results as JSON here")
+    b.add_argument("--device", default="cpu", help="engine benchmark device (cpu or cuda)")
     b.set_defaults(func=bench)
     return parser
 

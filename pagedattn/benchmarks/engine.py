@@ -1,0 +1,107 @@
+"""Engine throughput and memory: `pagedattn.LLM` vs transformers' `generate` on one model.
+
+Each (implementation, batch size) runs in a fresh subprocess, so its peak resident set size
+(`ru_maxrss`) is its own. Both sides decode the same prompts greedily for exactly
+`MAX_TOKENS` new tokens (EOS ignored) in float32 on the CPU (the model dtype on CUDA), and
+the number reported is generated tokens per second of wall time, prefill included.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import time
+
+MAX_TOKENS = 64
+BATCHES = (1, 16)
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a paged KV cache is in one paragraph.",
+    "List three prime numbers.",
+]
+
+
+def _prompts(n: int) -> list[str]:
+    return [PROMPTS[i % len(PROMPTS)] + f" (request {i})" for i in range(n)]
+
+
+def _ours(batch: int, device: str) -> dict:
+    import pagedattn
+
+    llm = pagedattn.LLM(device=device)
+    tok = llm.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+               for p in _prompts(batch)]
+    params = pagedattn.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    llm.generate(prompts[:1], pagedattn.SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    return {"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": elapsed}
+
+
+def _transformers(batch: int, device: str) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagedattn.models.default import default_model_path
+
+    path = default_model_path()
+    folder, name = str(path.parent), path.name
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype).to(device).eval()
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+             for p in _prompts(batch)]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    kw = dict(max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=tok.pad_token_id)
+    with torch.inference_mode():
+        model.generate(**{k: v[:1] for k, v in enc.items()}, max_new_tokens=4, do_sample=False,
+                       pad_token_id=tok.pad_token_id)  # warm-up
+        start = time.perf_counter()
+        out = model.generate(**enc, **kw)
+        elapsed = time.perf_counter() - start
+    return {"tokens": (out.shape[1] - enc["input_ids"].shape[1]) * batch, "seconds": elapsed}
+
+
+def _child(impl: str, batch: int, device: str) -> None:
+    result = (_ours if impl == "pagedattn" else _transformers)(batch, device)
+    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(result))
+
+
+def run_engine_benchmark(out_path: str | None, device: str = "cpu") -> int:
+    rows = []
+    for batch in BATCHES:
+        for impl in ("pagedattn", "transformers"):
+            proc = subprocess.run(
+                [sys.executable, "-m", "pagedattn.benchmarks.engine", impl, str(batch), device],
+                capture_output=True, text=True, check=False,
+            )
+            if proc.returncode != 0:
+                print(proc.stderr[-3000:], file=sys.stderr)
+                return proc.returncode
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            r.update(impl=impl, batch=batch, tokens_per_s=r["tokens"] / r["seconds"])
+            rows.append(r)
+    print(f"{'batch':>5} {'impl':<13} {'tokens/s':>9} {'peak RSS MiB':>13}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['impl']:<13} {r['tokens_per_s']:>9.1f} {r['peak_rss_mib']:>13.0f}")
+    for batch in BATCHES:
+        ours, theirs = (next(r for r in rows if r["batch"] == batch and r["impl"] == i) for i in ("pagedattn", "transformers"))
+        print(f"batch {batch}: speed {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x, "
+              f"memory {ours['peak_rss_mib'] / theirs['peak_rss_mib']:.2f}x of transformers")
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], int(sys.argv[2]), sys.argv[3])
