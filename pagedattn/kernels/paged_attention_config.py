@@ -1,0 +1,85 @@
+"""Tile choice and split-KV planning for `paged_attention` (host ints only).
+
+Everything here is a pure function of host-side integers (head size, GQA group, the largest
+query length, batch size, KV heads, SM count), so a launch planned at CUDA-graph capture is the
+launch replayed later; correctness never depends on the choice, only speed.
+
+Two regimes, chosen by the step's largest query length:
+- decode-like (`next_pow2(max_query_len * group) <= 64` rows): one program covers a few query
+  tokens times the `group` query heads sharing a KV head, padded to >= 16 rows for `tl.dot`;
+  it streams the keys memory-bound, so tiles favour many loads in flight.
+- prefill-like: 128 (64 for head size 256) rows of `BLOCK_Q` tokens x `group` heads against
+  64-key tiles, the usual FlashAttention-2 shape for Hopper without wgmma-specific code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._common import cdiv, next_pow2
+
+# Keys per split never fall below this: shorter chunks cost more in the reduction than they
+# win in occupancy.
+MIN_KEYS_PER_SPLIT = 256
+
+
+@dataclass(frozen=True)
+class AttentionTile:
+    block_q: int       # query tokens per program
+    block_m: int       # rows of the packed [block_m, D] query tile (block_q * group, padded)
+    block_n: int       # keys per inner-loop step
+    num_warps: int
+    num_stages: int
+
+
+# head_pad -> (block_m, block_n, num_warps, num_stages) for 16-bit queries.
+_PREFILL_TILES = {
+    32: (128, 64, 4, 3),
+    64: (128, 64, 4, 3),
+    128: (128, 64, 8, 3),
+    256: (64, 64, 8, 2),
+}
+# head_pad -> (block_n, num_warps, num_stages) for decode-like steps.
+_DECODE_TILES = {
+    32: (64, 4, 3),
+    64: (64, 4, 3),
+    128: (64, 4, 3),
+    256: (32, 4, 2),
+}
+
+
+def choose_tile(*, head_size: int, group: int, max_query_len: int, elem_bytes: int,
+                interpret: bool) -> AttentionTile:
+    """The tile for one launch; `elem_bytes` is the query element size (4 shrinks tiles)."""
+    head_pad = max(16, next_pow2(head_size))
+    key = min(max(head_pad, 32), 256)
+    rows = next_pow2(max(1, max_query_len) * group)
+    if rows <= 64:
+        block_m = max(16, rows)
+        block_n, num_warps, num_stages = _DECODE_TILES[key]
+    else:
+        block_m, block_n, num_warps, num_stages = _PREFILL_TILES[key]
+    block_m = max(block_m, next_pow2(group))  # at least one token's heads per program
+    if elem_bytes == 4 and not interpret:
+        # float32 operands double shared memory; keep the pipeline within ~160 KiB.
+        block_m = min(block_m, max(64, next_pow2(group)))
+        block_n = 32
+        num_stages = 1 if head_pad >= 256 else 2
+    if interpret:
+        num_warps, num_stages = 1, 1
+    block_q = max(1, block_m // group)
+    return AttentionTile(block_q, block_m, block_n, num_warps, num_stages)
+
+
+def choose_num_splits(*, num_seqs: int, num_kv_heads: int, max_query_len: int,
+                      max_seq_len: int, block_q: int, num_sms: int, max_splits: int) -> int:
+    """FlashDecoding split count: enough programs for ~2 waves, >= MIN_KEYS_PER_SPLIT keys each."""
+    if max_splits <= 1:
+        return 1
+    programs = num_seqs * cdiv(max(1, max_query_len), block_q) * num_kv_heads
+    target = 2 * num_sms
+    if programs >= target:
+        return 1
+    by_occupancy = cdiv(target, programs)
+    by_length = max(1, max_seq_len // MIN_KEYS_PER_SPLIT)
+    return max(1, min(max_splits, by_occupancy, by_length))
