@@ -1,0 +1,168 @@
+"""Gemma 2 over the paged KV cache.
+
+What differs from Llama: RMSNorm scales by `1 + weight` in float32; four norms per block (before
+and after attention and MLP); embeddings scaled by sqrt(hidden) rounded to the model dtype;
+GeGLU (tanh GELU) MLP; attention scale `query_pre_attn_scalar ** -0.5` with a tanh soft cap on
+the scores; local (sliding window) and global layers alternating as `config.layer_types` lists
+them (transformers: even layers local); a tanh soft cap on the final logits; tied embeddings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedattn.layer import Attention
+from pagedattn.models.layers import (
+    STACKED_PARAMS,
+    RotaryEmbedding,
+    StackedLinear,
+    apply_rope,
+    head_size_of,
+    layer_sliding_windows,
+    load_weights,
+    rope_inv_freq,
+)
+
+_GELU_APPROXIMATION = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
+
+
+class Gemma2RMSNorm(nn.Module):
+    """RMSNorm computed in float32 with scale `1 + weight` (zero-initialised weight), cast back at the end."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden], same dtype."""
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class Gemma2Attention(nn.Module):
+    def __init__(self, config, layer_idx: int, sliding_window: int | None, *,
+                 attention_backend: str, kv_cache_dtype: str) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_size = head_size_of(config)
+        self.q_size = self.num_heads * self.head_size
+        self.kv_size = self.num_kv_heads * self.head_size
+        bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = StackedLinear(
+            config.hidden_size, (self.q_size, self.kv_size, self.kv_size), bias=bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.attn = Attention(
+            self.num_heads,
+            self.head_size,
+            config.query_pre_attn_scalar**-0.5,
+            self.num_kv_heads,
+            backend=attention_backend,
+            layer_idx=layer_idx,
+            sliding_window=sliding_window,
+            kv_cache_dtype=kv_cache_dtype,
+            logits_soft_cap=config.attn_logit_softcapping,
+        )
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden]; cos, sin: [T, 1, D/2] -> [T, hidden]."""
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_size), cos, sin)  # [T, Hq, D]
+        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_size), cos, sin)  # [T, Hkv, D]
+        out = self.attn(q.reshape(num_tokens, self.q_size), k.reshape(num_tokens, self.kv_size), v)
+        return self.o_proj(out)
+
+
+class Gemma2MLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        act = getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"
+        if act not in _GELU_APPROXIMATION:
+            raise NotImplementedError(
+                f"expected hidden_activation in {list(_GELU_APPROXIMATION)}, got {act!r}"
+            )
+        self.approximate = _GELU_APPROXIMATION[act]
+        size = config.intermediate_size
+        self.gate_up_proj = StackedLinear(config.hidden_size, (size, size), bias=False)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate=self.approximate) * up)
+
+
+class Gemma2DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, sliding_window: int | None, **attn_kwargs) -> None:
+        super().__init__()
+        self.self_attn = Gemma2Attention(config, layer_idx, sliding_window, **attn_kwargs)
+        self.mlp = Gemma2MLP(config)
+        eps = config.rms_norm_eps
+        self.input_layernorm = Gemma2RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = Gemma2RMSNorm(config.hidden_size, eps)
+        self.pre_feedforward_layernorm = Gemma2RMSNorm(config.hidden_size, eps)
+        self.post_feedforward_layernorm = Gemma2RMSNorm(config.hidden_size, eps)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class Gemma2Model(nn.Module):
+    def __init__(self, config, **attn_kwargs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Kept as a buffer so it follows `.to(dtype)`: the scale is rounded to the model dtype.
+        self.register_buffer("embed_scale", torch.tensor(config.hidden_size**0.5), persistent=False)
+        self.rotary_emb = RotaryEmbedding(
+            rope_inv_freq(config, head_size_of(config)), config.max_position_embeddings
+        )
+        windows = layer_sliding_windows(config)
+        self.layers = nn.ModuleList(
+            Gemma2DecoderLayer(config, i, windows[i], **attn_kwargs)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = Gemma2RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        h = h * self.embed_scale.to(h.dtype)
+        cos, sin = self.rotary_emb(positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.norm(h)
+
+
+class Gemma2ForCausalLM(nn.Module):
+    """Gemma 2 over a flattened batch of tokens; run it inside `pagedattn.forward_context`."""
+
+    def __init__(self, config, *, attention_backend: str = "auto", kv_cache_dtype: str = "auto") -> None:
+        super().__init__()
+        self.config = config
+        self.model = Gemma2Model(
+            config, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype
+        )
+        self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: int64 [T] -> hidden states [T, hidden] in the model dtype."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> soft-capped logits float32 [N, vocab] (tied embedding head)."""
+        logits = F.linear(hidden, self.model.embed_tokens.weight).float()
+        cap = self.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """weights: (Hugging Face name, tensor) pairs; a stored `lm_head.weight` is the tied embedding."""
+        load_weights(self, weights, STACKED_PARAMS, ["rotary_emb.inv_freq", "lm_head.weight"])

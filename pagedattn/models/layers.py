@@ -1,0 +1,192 @@
+"""Building blocks shared by the model families: RMSNorm, rotary embedding, stacked linears, weight loading.
+
+Every model here runs over a flattened batch: `T` tokens of several sequences laid end to end,
+no batch dimension and no padding. Sequence boundaries live only in the attention metadata.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+
+ROPE_TYPES = ("default", "linear", "llama3")
+STACKED_PARAMS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+"""Checkpoint module name -> (our StackedLinear, shard index), for every family here."""
+
+
+def head_size_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class RMSNorm(nn.Module):
+    """Llama-style RMSNorm: normalise in float32, cast back, then scale by `weight` in the model dtype."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden], same dtype."""
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config, head_size: int) -> torch.Tensor:
+    """The rotary inverse frequencies `[head_size // 2]` float32 of a Hugging Face config.
+
+    Reads `config.rope_parameters` (transformers >= 5) or the older `rope_theta` + `rope_scaling`.
+    Supports the rope types in `ROPE_TYPES`; others raise `NotImplementedError`.
+    """
+    params = getattr(config, "rope_parameters", None)
+    if not params:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise NotImplementedError(
+            f"expected partial_rotary_factor 1.0, got {params['partial_rotary_factor']}"
+        )
+    exponents = torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size
+    inv_freq = 1.0 / (float(params["rope_theta"]) ** exponents)
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"])
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, params)
+    raise NotImplementedError(f"expected a rope_type in {list(ROPE_TYPES)}, got {rope_type!r}")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: Mapping) -> torch.Tensor:
+    # Llama 3.1 keeps high frequencies, divides low ones by `factor`, and blends linearly in between
+    # (by wavelength measured against the original training context).
+    factor = float(params["factor"])
+    low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+    original_len = float(params["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original_len / low, inv_freq / factor, inv_freq)
+    smooth = (original_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= original_len / high) & (wavelen <= original_len / low)
+    return torch.where(is_medium, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to `max_positions`, gathered by `positions` (NeoX halves layout)."""
+
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int) -> None:
+        super().__init__()
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)  # [P, D/2] float32
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)  # [P, D/2] float32
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: int64 [T] -> (cos, sin), each [T, 1, D/2] in `dtype` (broadcast over heads)."""
+        cos = self.cos_cache.index_select(0, positions).to(dtype).unsqueeze(1)
+        sin = self.sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
+        return cos, sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos, sin: [T, 1, D/2] -> [T, H, D], rotating (x[:D/2], x[D/2:]) pairs."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class StackedLinear(nn.Linear):
+    """One matmul for several checkpoint matrices with the same input (q/k/v, gate/up).
+
+    Output rows are the checkpoint matrices stacked in order; `shard(param, i)` is the view that
+    checkpoint matrix `i` (of `output_sizes[i]` rows) is loaded into.
+    """
+
+    def __init__(self, in_features: int, output_sizes: Iterable[int], bias: bool) -> None:
+        self.output_sizes = tuple(output_sizes)
+        super().__init__(in_features, sum(self.output_sizes), bias=bias)
+
+    def shard(self, param: torch.Tensor, index: int) -> torch.Tensor:
+        start = sum(self.output_sizes[:index])
+        return param.narrow(0, start, self.output_sizes[index])
+
+
+def layer_sliding_windows(config) -> tuple[int | None, ...]:
+    """The sliding window of each layer (None: full attention), as transformers' config defines it.
+
+    transformers >= 5 lists `layer_types` ("sliding_attention"/"full_attention") for Qwen2 and
+    Gemma2; configs without it (Llama, Mistral) use `sliding_window` for every layer.
+    """
+    window = getattr(config, "sliding_window", None)
+    num_layers = config.num_hidden_layers
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:  # transformers < 5
+        if config.model_type == "gemma2":
+            return tuple(window if i % 2 == 0 else None for i in range(num_layers))
+        if config.model_type == "qwen2":
+            if not getattr(config, "use_sliding_window", False):
+                return (None,) * num_layers
+            first = getattr(config, "max_window_layers", 0)
+            return tuple(window if i >= first else None for i in range(num_layers))
+        return (window,) * num_layers
+    if len(layer_types) != num_layers:
+        raise ValueError(f"expected {num_layers} layer_types, got {len(layer_types)}")
+    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+
+
+@torch.no_grad()
+def load_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    stacked: Mapping[str, tuple[str, int]],
+    ignore: Iterable[str] = (),
+) -> None:
+    """Copy checkpoint tensors (Hugging Face names) into `model`'s parameters, checking names and shapes.
+
+    stacked: checkpoint module name -> (our StackedLinear name, shard index), e.g.
+        {"q_proj": ("qkv_proj", 0)}.
+    ignore: substrings of checkpoint names to skip (buffers saved by old checkpoints, tied heads).
+    Raises ValueError on an unknown name, a shape mismatch, or parameters left unloaded.
+    """
+    ignore = tuple(ignore)
+    params = dict(model.named_parameters())
+    expected = set()
+    for name in params:
+        module = model.get_submodule(name.rpartition(".")[0])
+        if isinstance(module, StackedLinear):
+            expected.update((name, i) for i in range(len(module.output_sizes)))
+        else:
+            expected.add((name, None))
+    loaded = set()
+    for ckpt_name, tensor in weights:
+        if any(s in ckpt_name for s in ignore):
+            continue
+        name, index = ckpt_name, None
+        for src, (dst, i) in stacked.items():
+            if f".{src}." in ckpt_name:
+                name, index = ckpt_name.replace(f".{src}.", f".{dst}."), i
+                break
+        if name not in params:
+            raise ValueError(f"unexpected checkpoint tensor {ckpt_name!r} for {type(model).__name__}")
+        dest = params[name].data
+        if index is not None:
+            dest = model.get_submodule(name.rpartition(".")[0]).shard(dest, index)
+        if dest.shape != tensor.shape:
+            raise ValueError(
+                f"checkpoint tensor {ckpt_name!r}: expected shape {tuple(dest.shape)}, got {tuple(tensor.shape)}"
+            )
+        dest.copy_(tensor)
+        loaded.add((name, index))
+    missing = sorted(f"{n}[{i}]" if i is not None else n for n, i in expected - loaded)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" ... ({len(missing)} in all)" if len(missing) > 8 else "")
+        raise ValueError(f"checkpoint is missing weights for {type(model).__name__}: {shown}")

@@ -1,0 +1,169 @@
+"""The Llama family: Llama 2/3, SmolLM2, Mistral and Qwen2, over the paged KV cache.
+
+Differences inside the family are config switches: Qwen2 has q/k/v biases and per-layer sliding
+windows (`use_sliding_window`, `max_window_layers`), Mistral one window for every layer, Llama 3
+"llama3" rope scaling. The module tree mirrors Hugging Face's names except that q/k/v and
+gate/up run as one stacked matmul each (`qkv_proj`, `gate_up_proj`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedattn.layer import Attention
+from pagedattn.models.layers import (
+    STACKED_PARAMS,
+    RMSNorm,
+    RotaryEmbedding,
+    StackedLinear,
+    apply_rope,
+    head_size_of,
+    layer_sliding_windows,
+    load_weights,
+    rope_inv_freq,
+)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config,
+        layer_idx: int,
+        sliding_window: int | None,
+        *,
+        qkv_bias: bool,
+        o_bias: bool,
+        attention_backend: str,
+        kv_cache_dtype: str,
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_size = head_size_of(config)
+        self.q_size = self.num_heads * self.head_size
+        self.kv_size = self.num_kv_heads * self.head_size
+        self.qkv_proj = StackedLinear(
+            config.hidden_size, (self.q_size, self.kv_size, self.kv_size), bias=qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.attn = Attention(
+            self.num_heads,
+            self.head_size,
+            self.head_size**-0.5,
+            self.num_kv_heads,
+            backend=attention_backend,
+            layer_idx=layer_idx,
+            sliding_window=sliding_window,
+            kv_cache_dtype=kv_cache_dtype,
+        )
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden]; cos, sin: [T, 1, D/2] -> [T, hidden]."""
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_size), cos, sin)  # [T, Hq, D]
+        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_size), cos, sin)  # [T, Hkv, D]
+        out = self.attn(q.reshape(num_tokens, self.q_size), k.reshape(num_tokens, self.kv_size), v)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+        super().__init__()
+        self.gate_up_proj = StackedLinear(hidden_size, (intermediate_size, intermediate_size), bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, sliding_window: int | None, **attn_kwargs) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, sliding_window, **attn_kwargs)
+        self.mlp = LlamaMLP(
+            config.hidden_size, config.intermediate_size, bias=getattr(config, "mlp_bias", False)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, **attn_kwargs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(
+            rope_inv_freq(config, head_size_of(config)), config.max_position_embeddings
+        )
+        windows = layer_sliding_windows(config)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, windows[i], **attn_kwargs)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary_emb(positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A decoder-only Llama-family model over a flattened batch of tokens.
+
+    Run it inside `pagedattn.forward_context(attn_metadata, kv_caches)`: every layer's attention
+    reads the step's metadata and `kv_caches[layer_idx]` from there.
+    """
+
+    qkv_bias_default = False
+
+    def __init__(self, config, *, attention_backend: str = "auto", kv_cache_dtype: str = "auto") -> None:
+        super().__init__()
+        self.config = config
+        attention_bias = getattr(config, "attention_bias", False)
+        self.model = LlamaModel(
+            config,
+            qkv_bias=attention_bias or self.qkv_bias_default,
+            o_bias=attention_bias,
+            attention_backend=attention_backend,
+            kv_cache_dtype=kv_cache_dtype,
+        )
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: int64 [T] -> hidden states [T, hidden] in the model dtype."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> logits float32 [N, vocab]."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """weights: (Hugging Face name, tensor) pairs, e.g. `model.layers.0.self_attn.q_proj.weight`."""
+        ignore = ["rotary_emb.inv_freq"]
+        if self.config.tie_word_embeddings:
+            ignore.append("lm_head.weight")
+        load_weights(self, weights, STACKED_PARAMS, ignore)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama with one sliding window for every layer (`config.sliding_window`, may be None)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: Llama with q/k/v biases; sliding windows only where `config.layer_types` says so."""
+
+    qkv_bias_default = True

@@ -1,0 +1,211 @@
+"""Build a model, its tokenizer and its spec from a checkpoint.
+
+Three sources: `None` (the embedded SmolLM2 GGUF), a Hugging Face folder (`config.json` +
+`*.safetensors`; pickle weights are refused), or a `.gguf` file (dequantised to the model dtype).
+transformers parses configs and tokenizers of both kinds; the weights are read here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pagedattn.models import ARCHITECTURES, UnsupportedModelError, get_model_cls
+from pagedattn.models.default import default_model_path
+from pagedattn.models.gguf_file import read_gguf
+from pagedattn.models.layers import head_size_of, layer_sliding_windows
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the engine needs to know about a loaded model (all host values)."""
+
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    hidden_size: int
+    vocab_size: int
+    """Width of `compute_logits`' output (may exceed the tokenizer's vocabulary)."""
+    max_model_len: int
+    dtype: torch.dtype
+    eos_token_ids: frozenset[int]
+    sliding_windows: tuple[int | None, ...]
+    """Each layer's sliding window (None: full attention)."""
+    builder_sliding_window: int | None
+    """The window when every layer has the same one, else None: only then may a metadata builder trim block tables."""
+    has_chat_template: bool
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: nn.Module
+    """`forward(input_ids int64 [T], positions int64 [T]) -> [T, hidden]`, `compute_logits([N, hidden]) -> float32 [N, vocab]`."""
+    tokenizer: object
+    """A transformers tokenizer."""
+    spec: ModelSpec
+
+
+def load_model(
+    model: str | os.PathLike | None = None,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    attention_backend: str = "auto",
+    kv_cache_dtype: str = "auto",
+) -> LoadedModel:
+    """Load a checkpoint onto `device` in `dtype`, its attention running on `attention_backend`.
+
+    model: None (the embedded SmolLM2-135M-Instruct GGUF), a folder with `config.json` and
+        `*.safetensors`, or a `.gguf` file.
+    dtype: a torch dtype or its name; "auto" is float32 on the CPU and otherwise the config's
+        half-precision dtype (bfloat16 when the config names none or float32).
+    device: a torch device; "auto" is CUDA when available, else the CPU.
+    Raises FileNotFoundError for a missing path, UnsupportedModelError (a ValueError) naming the
+    supported architectures, ValueError for pickle-only or mismatching weights.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    device = _resolve_device(device)
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model path {str(path)!r} does not exist; expected a folder with config.json and "
+            "*.safetensors, a .gguf file, or None for the embedded default model"
+        )
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"expected a Hugging Face config.json in {str(path)!r}")
+        config = AutoConfig.from_pretrained(path)
+        architecture = _hf_architecture(config)
+        files = _safetensors_files(path)
+        weights = _safetensors_weights(files)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        extra_eos = _generation_eos(path)
+    elif path.suffix == ".gguf":
+        config, architecture, weights = read_gguf(path)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        extra_eos = ()
+    else:
+        raise ValueError(
+            f"expected a model folder or a .gguf file, got the file {str(path)!r}"
+        )
+
+    cls = get_model_cls(architecture)
+    dtype = _resolve_dtype(dtype, config, device)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            net = cls(config, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    net.load_weights(weights)
+    net.eval().requires_grad_(False)
+    return LoadedModel(net, tokenizer, _spec(architecture, config, tokenizer, dtype, extra_eos))
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _resolve_dtype(dtype: str | torch.dtype, config, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"expected dtype 'auto' or one of {list(_DTYPES)}, got {dtype!r}")
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    configured = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(configured, str):
+        configured = _DTYPES.get(configured)
+    return configured if configured in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def _hf_architecture(config) -> str:
+    names = list(getattr(config, "architectures", None) or [])
+    for name in names:
+        if name in ARCHITECTURES:
+            return name
+    raise UnsupportedModelError(
+        f"expected an architecture in {sorted(ARCHITECTURES)}, got {names or 'none'} "
+        f"(model_type {getattr(config, 'model_type', None)!r})"
+    )
+
+
+def _spec(architecture: str, config, tokenizer, dtype: torch.dtype, extra_eos) -> ModelSpec:
+    windows = layer_sliding_windows(config)
+    eos: set[int] = set()
+    for ids in (config.eos_token_id, tokenizer.eos_token_id, *extra_eos):
+        if ids is not None:
+            eos.update([ids] if isinstance(ids, int) else ids)
+    num_heads = config.num_attention_heads
+    return ModelSpec(
+        architecture=architecture,
+        num_layers=config.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        head_size=head_size_of(config),
+        hidden_size=config.hidden_size,
+        vocab_size=config.vocab_size,
+        max_model_len=config.max_position_embeddings,
+        dtype=dtype,
+        eos_token_ids=frozenset(eos),
+        sliding_windows=windows,
+        builder_sliding_window=windows[0] if len(set(windows)) == 1 else None,
+        has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
+    )
+
+
+def _generation_eos(folder: Path) -> tuple:
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return ()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    return () if eos is None else (eos,)
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+    if pickles:
+        raise ValueError(
+            f"expected *.safetensors weights in {str(folder)!r}, found only pickle files {pickles}; "
+            "pagedattn never loads pickle (it can run code): convert them to safetensors first"
+        )
+    raise FileNotFoundError(f"expected *.safetensors weights in {str(folder)!r}, found none")
+
+
+def _safetensors_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

@@ -1,0 +1,155 @@
+"""Fixtures for the model tests: tiny random Hugging Face checkpoints and a paged step runner.
+
+A checkpoint is built with transformers' own config and model classes, saved as safetensors
+with a byte-level tokenizer, and kept in memory as the reference (transformers' eager attention
+never reads our paged cache). The runner drives our model through `forward_context` over a pool
+of shuffled physical blocks, one `builder.build` per step, as the engine does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+VOCAB = 260  # 256 byte tokens + <s>, </s> and two spare ids
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    bos_token_id=256,
+    eos_token_id=257,
+)
+
+# name -> (transformers config class name, config overrides)
+FAMILIES = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
+    "llama3_rope": ("LlamaConfig", dict(
+        tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=16),
+    )),
+    "mistral": ("MistralConfig", dict(sliding_window=8, tie_word_embeddings=False)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen2_sliding": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                                           tie_word_embeddings=False)),
+    "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                                    attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    # GGUF stores no query_pre_attn_scalar: llama.cpp uses head_dim (see the loader).
+    "gemma2_gguf": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                                         attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+}
+
+
+def _byte_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)} | {"<s>": 256, "</s>": 257}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+@torch.no_grad()
+def _randomise(model, norm_base: float) -> None:
+    # transformers initialises norms to constants and biases to zero; random values make the
+    # test see a mis-loaded or mis-ordered weight.
+    gen = torch.Generator().manual_seed(1)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=gen)
+        p.copy_(norm_base + 0.1 * noise if "norm" in name else 0.15 * noise)
+
+
+@dataclass
+class TinyCheckpoint:
+    name: str
+    folder: str
+    reference: torch.nn.Module  # transformers' model on the same weights, float32, eager attention
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """tiny_checkpoint(family) -> TinyCheckpoint, built once per family per session."""
+    import transformers
+
+    built: dict[str, TinyCheckpoint] = {}
+
+    def make(name: str) -> TinyCheckpoint:
+        if name not in built:
+            cls_name, overrides = FAMILIES[name]
+            config = getattr(transformers, cls_name)(**TINY, **overrides)
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, attn_implementation="eager", dtype=torch.float32
+            )
+            _randomise(model, norm_base=0.0 if name.startswith("gemma2") else 1.0)
+            folder = tmp_path_factory.mktemp(name)
+            model.save_pretrained(folder, safe_serialization=True)
+            _byte_tokenizer().save_pretrained(folder)
+            built[name] = TinyCheckpoint(name, str(folder), model.eval())
+        return built[name]
+
+    return make
+
+
+@dataclass
+class PagedRunner:
+    """Runs steps of a loaded model over a paged KV cache of shuffled physical blocks."""
+
+    loaded: object  # pagedattn.models.LoadedModel
+    backend: type
+    device: torch.device
+    block_size: int = 4
+    num_blocks: int = 96
+    free: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.model = self.loaded.model  # tests may swap in a compiled module
+        spec = self.loaded.spec
+        self.builder = self.backend.get_builder_cls()(
+            self.block_size, self.device, sliding_window=spec.builder_sliding_window
+        )
+        shape = self.backend.get_kv_cache_shape(self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_size)
+        self.kv_caches = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in range(spec.num_layers)]
+        self.free = torch.randperm(self.num_blocks, generator=torch.Generator().manual_seed(3)).tolist()
+
+    def block_table(self, max_len: int) -> list[int]:
+        n = math.ceil(max_len / self.block_size)
+        table, self.free = self.free[:n], self.free[n:]
+        return table
+
+    def step(self, parts: list[tuple[list[int], int, int, list[int]]]) -> torch.Tensor:
+        """parts: (token ids of the whole sequence, context_len, query_len, block table), prefills first.
+
+        Returns logits float32 [T, vocab] of every query token of the step, in order.
+        """
+        import pagedattn
+
+        ids, positions, seqs = [], [], []
+        for tokens, context_len, query_len, table in parts:
+            seq_len = context_len + query_len
+            ids += tokens[context_len:seq_len]
+            positions += range(context_len, seq_len)
+            seqs.append(pagedattn.ScheduledSeq(seq_len=seq_len, query_len=query_len, block_table=table))
+        md = self.builder.build(seqs)
+        model = self.model
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        with torch.inference_mode(), pagedattn.forward_context(md, self.kv_caches):
+            hidden = model(input_ids, pos)  # [T, hidden]
+            return model.compute_logits(hidden)
+
+
+@pytest.fixture
+def paged_runner(backend, device):
+    """paged_runner(loaded, **kw) -> PagedRunner on the session's --backend and --device."""
+    return lambda loaded, **kw: PagedRunner(loaded, backend, device, **kw)
