@@ -1,0 +1,112 @@
+"""The engine's one validated configuration (the keyword arguments of `pagedattn.LLM`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedattn.attention.types import KV_CACHE_DTYPE_NAMES
+
+PREEMPTION_MODES = ("auto", "recompute", "swap")
+DTYPE_NAMES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+DEFAULT_CHUNKED_BATCHED_TOKENS = 2048
+CPU_KV_CACHE_GIB = 1.0
+"""KV pool budget on the CPU, where free memory says nothing useful (`num_kv_blocks` overrides it)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every knob of the engine, checked once here; nothing below the engine sees this object.
+
+    `preemption_mode` and `cpu_kv_cache_gib` are engine-level extras not exposed by `LLM`:
+    "auto" swaps groups of several sequences (n > 1, beam search) when the CPU pool has room
+    and recomputes single sequences, like vLLM; "recompute"/"swap" force one mode.
+    """
+
+    model: str | None = None
+    backend: str = "auto"
+    device: str = "auto"
+    dtype: str | torch.dtype = "auto"
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    num_scheduler_steps: int = 1
+    enforce_eager: bool = False
+    swap_space_gib: float = 4
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None
+    seed: int = 0
+    preemption_mode: str = "auto"
+    cpu_kv_cache_gib: float = CPU_KV_CACHE_GIB
+
+    def __post_init__(self) -> None:
+        _int_at_least("block_size", self.block_size, 1)
+        _int_at_least("max_num_seqs", self.max_num_seqs, 1)
+        _int_at_least("num_scheduler_steps", self.num_scheduler_steps, 1)
+        _int_at_least("seed", self.seed, None)
+        if self.max_num_batched_tokens is not None:
+            _int_at_least("max_num_batched_tokens", self.max_num_batched_tokens, self.max_num_seqs)
+        if self.num_kv_blocks is not None:
+            _int_at_least("num_kv_blocks", self.num_kv_blocks, 1)
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"expected {name} to be a bool, got {getattr(self, name)!r}")
+        if self.model is not None and not isinstance(self.model, str):
+            object.__setattr__(self, "model", str(self.model))
+        if not isinstance(self.backend, str):
+            raise ValueError(f"expected backend to be a backend name, got {self.backend!r}")
+        if not (isinstance(self.device, (str, torch.device))):
+            raise ValueError(f"expected device 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except RuntimeError:
+                raise ValueError(f"expected device 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}") from None
+        if not isinstance(self.dtype, torch.dtype) and self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"expected dtype in {list(DTYPE_NAMES)} or a torch.dtype, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
+            raise ValueError(f"expected kv_cache_dtype in {list(KV_CACHE_DTYPE_NAMES)}, got {self.kv_cache_dtype!r}")
+        if not _is_number(self.swap_space_gib) or self.swap_space_gib < 0:
+            raise ValueError(f"expected swap_space_gib >= 0, got {self.swap_space_gib!r}")
+        if not _is_number(self.cpu_kv_cache_gib) or self.cpu_kv_cache_gib <= 0:
+            raise ValueError(f"expected cpu_kv_cache_gib > 0, got {self.cpu_kv_cache_gib!r}")
+        u = self.gpu_memory_utilization
+        if not _is_number(u) or not 0 < u <= 1:
+            raise ValueError(f"expected 0 < gpu_memory_utilization <= 1, got {u!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"expected preemption_mode in {list(PREEMPTION_MODES)}, got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and self.swap_space_gib == 0:
+            raise ValueError("expected swap_space_gib > 0 with preemption_mode='swap', got 0")
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def batched_tokens(self, max_model_len: int) -> int:
+        """The per-step token budget: the configured one, else a default that fits any prompt
+        when prompts cannot be chunked."""
+        if self.max_num_batched_tokens is not None:
+            if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+                raise ValueError(
+                    "expected max_num_batched_tokens >= the model's context length "
+                    f"({max_model_len}) without chunked prefill, got {self.max_num_batched_tokens}"
+                )
+            return self.max_num_batched_tokens
+        if self.enable_chunked_prefill:
+            return max(DEFAULT_CHUNKED_BATCHED_TOKENS, self.max_num_seqs)
+        return max(DEFAULT_CHUNKED_BATCHED_TOKENS, max_model_len, self.max_num_seqs)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _int_at_least(name: str, value, low: int | None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or (low is not None and value < low):
+        bound = "an int" if low is None else f"an int >= {low}"
+        raise ValueError(f"expected {name} to be {bound}, got {value!r}")

@@ -1,0 +1,47 @@
+"""What `generate` returns: one `RequestOutput` per prompt, one `CompletionOutput` per completion."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class CompletionOutput:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    """"stop" (EOS or a stop string), "length" (max_tokens or the model's context), "error",
+    or None while running."""
+    cumulative_logprob: float
+    """Sum of the model's log-probabilities (unscaled by temperature) of `token_ids`."""
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (`time.perf_counter()` seconds) of one request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    error: str | None = None
+    """Why the request finished with finish_reason "error" (e.g. a prompt longer than the context)."""

@@ -1,0 +1,303 @@
+"""Continuous batching: which sequences compute which tokens in the next step.
+
+One step runs at most `max_num_batched_tokens` tokens of at most `max_num_seqs` sequences.
+Requests are served first come, first served:
+1. Running groups, oldest first. Each sequence computes its uncomputed tokens (1 for a
+   decode); a long prefill is chunked to the budget left after the decodes of the groups
+   behind it. When blocks run out, the newest running group not yet scheduled is preempted
+   (recomputed later, or swapped to the CPU pool), down to the group itself.
+2. If nothing was preempted: swapped groups come back, oldest first.
+3. If nothing is swapped out: waiting groups are admitted, oldest first, taking their cached
+   prefix; the first that does not fit stops admission (head-of-line, so order is kept).
+Beam-search groups move in lockstep: their beams' last tokens are computed in one step (a
+beam is scored against the others), earlier tokens may be chunked.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedattn.engine.block_manager import BlockManager, cdiv
+from pagedattn.engine.sequence import Sequence, SequenceGroup, SeqStatus
+
+
+@dataclass
+class ScheduledChunk:
+    """Tokens `[num_computed_tokens, num_computed_tokens + num_tokens)` of `seq` in this step."""
+
+    seq: Sequence
+    group: SequenceGroup
+    num_tokens: int  # the step's query_len for this sequence
+    sample: bool  # the chunk ends at the sequence's last token: its logits are sampled
+    is_prefill: bool  # as the metadata builder classifies it (query_len > 1 or context_len == 0)
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)  # prefills first, then decodes
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (GPU block, CPU block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (CPU block, GPU block)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) GPU blocks
+    num_steps: int = 1  # decode steps to run back to back (multi-step); 1 unless decode-only
+    preempted: list[SequenceGroup] = field(default_factory=list)
+    errored: list[SequenceGroup] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+Plan = list[tuple[Sequence, int, bool]]  # (sequence, tokens to compute, sample its logits)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+        num_scheduler_steps: int = 1,
+        preemption_mode: str = "auto",
+    ):
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(
+                f"expected max_num_batched_tokens >= max_num_seqs ({max_num_seqs}), got {max_num_batched_tokens}"
+            )
+        self.bm = block_manager
+        self.block_size = block_manager.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.chunked = enable_chunked_prefill
+        self.num_scheduler_steps = num_scheduler_steps
+        self.lookahead = num_scheduler_steps - 1
+        self.preemption_mode = preemption_mode
+        self.watermark = int(0.01 * block_manager.num_blocks)
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []
+        self.swapped: deque[SequenceGroup] = deque()
+
+    # ------------------------------------------------------------------ queues
+
+    def add(self, group: SequenceGroup) -> None:
+        for seq in group.seqs:
+            seq.status = SeqStatus.WAITING
+        self.waiting.append(group)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def all_seqs(self) -> list[Sequence]:
+        """Every unfinished sequence (for `BlockManager.check_integrity`)."""
+        groups = [*self.waiting, *self.running, *self.swapped]
+        return [s for g in groups for s in g.live_seqs]
+
+    def finish_seq(self, seq: Sequence, reason: str) -> None:
+        self.bm.free(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+
+    def abort(self, group: SequenceGroup, error: str) -> None:
+        """Finish `group` with finish_reason "error", wherever it is."""
+        for seq in group.live_seqs:
+            self.finish_seq(seq, "error")
+        group.error = error
+        self.remove_finished()
+        for queue in (self.waiting, self.swapped):
+            if group in queue:
+                queue.remove(group)
+
+    def remove_finished(self) -> None:
+        self.running = [g for g in self.running if not g.is_finished]
+
+    def _insert_by_arrival(self, queue: deque[SequenceGroup], group: SequenceGroup) -> None:
+        i = 0
+        while i < len(queue) and queue[i].arrival_index < group.arrival_index:
+            i += 1
+        queue.insert(i, group)
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = _Budget(self.max_num_batched_tokens, self.max_num_seqs)
+        self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_swapped(out, budget)
+        if not out.preempted and not self.swapped:
+            self._schedule_waiting(out, budget)
+        self.running.sort(key=lambda g: g.arrival_index)
+        out.chunks.sort(key=lambda c: not c.is_prefill)  # stable: prefills first
+        out.num_steps = self._num_steps(out)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: _Budget) -> None:
+        queue = list(self.running)
+        self.running = []
+        # Decodes of groups behind a prefill keep their tokens: chunks get what is left.
+        reserved = sum(self._decode_tokens(g) for g in queue)
+        while queue:
+            group = queue.pop(0)
+            reserved -= self._decode_tokens(group)
+            plan = self._plan(group, budget.tokens - reserved, budget.seqs)
+            if not plan:
+                self.running.append(group)
+                continue
+            while self._blocks_needed(plan) > self.bm.num_free_blocks:
+                if queue:
+                    victim = queue.pop()
+                    reserved -= self._decode_tokens(victim)
+                    self._preempt(victim, out)
+                    continue
+                if not self.running:  # alone and stuck: no preemption can make room
+                    self.abort(group, self._too_big_message(group))
+                    out.errored.append(group)
+                else:
+                    self._preempt(group, out)
+                group = None
+                break
+            if group is not None:
+                self._commit(group, plan, out, budget)
+                self.running.append(group)
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: _Budget) -> None:
+        while self.swapped:
+            group = self.swapped[0]
+            seqs = group.live_seqs
+            plan = self._plan(group, budget.tokens, budget.seqs)
+            if not plan:
+                return
+            # After swap-in every block is fresh; a shared last block may still need a copy.
+            need = self.bm.swap_in_cost(seqs) + sum(
+                max(0, cdiv(self._target(s, n), self.block_size) - len(s.block_table)) + 1 for s, n, _ in plan
+            )
+            if need > self.bm.num_free_blocks - self.watermark:
+                return
+            self.swapped.popleft()
+            out.swap_in += self.bm.swap_in(seqs)
+            self._commit(group, plan, out, budget)
+            self.running.append(group)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
+        while self.waiting and budget.tokens > 0:
+            group = self.waiting[0]
+            seqs = group.live_seqs
+            if self._min_blocks(group) > self.bm.num_blocks:
+                self.abort(group, self._too_big_message(group))
+                out.errored.append(group)
+                continue
+            running_seqs = sum(len(g.live_seqs) for g in self.running)
+            if running_seqs + len(seqs) > self.max_num_seqs:
+                return
+            for seq in seqs:
+                self.bm.allocate_prefix(seq)
+            plan = self._plan(group, budget.tokens, budget.seqs)
+            if not plan or self._blocks_needed(plan) > self.bm.num_free_blocks - self.watermark:
+                for seq in seqs:  # roll back the taken prefix; cached blocks stay cached
+                    self.bm.free(seq)
+                    seq.reset_for_recompute()
+                return
+            self.waiting.popleft()
+            for seq in seqs:
+                seq.status = SeqStatus.RUNNING
+            self._commit(group, plan, out, budget)
+            self.running.append(group)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _decode_tokens(self, group: SequenceGroup) -> int:
+        seqs = group.live_seqs
+        if all(s.num_uncomputed_tokens == 1 and s.num_computed_tokens > 0 for s in seqs):
+            return len(seqs)
+        return 0
+
+    def _plan(self, group: SequenceGroup, token_cap: int, seq_cap: int) -> Plan:
+        seqs = group.live_seqs
+        remaining = [s.num_uncomputed_tokens for s in seqs]
+        if group.is_beam and len(seqs) > 1:
+            if len(seqs) > seq_cap:
+                return []
+            if sum(remaining) <= token_cap:
+                return [(s, r, True) for s, r in zip(seqs, remaining)]
+            plan: Plan = []
+            left = token_cap if self.chunked else 0
+            for s, r in zip(seqs, remaining):  # everything but the last tokens, chunked
+                n = min(r - 1, left)
+                if n > 0:
+                    plan.append((s, n, False))
+                    left -= n
+            return plan
+        plan = []
+        left = token_cap
+        for s, r in zip(seqs, remaining):
+            if left <= 0 or len(plan) == seq_cap:
+                break
+            if r <= left:
+                plan.append((s, r, True))
+                left -= r
+            elif self.chunked:
+                plan.append((s, left, False))
+                left = 0
+        return plan
+
+    def _target(self, seq: Sequence, num_tokens: int) -> int:
+        """Tokens `seq` needs slots for after this step (lookahead slots for multi-step decodes)."""
+        decode = num_tokens == 1 and seq.num_computed_tokens > 0
+        return seq.num_computed_tokens + num_tokens + (self.lookahead if decode else 0)
+
+    def _blocks_needed(self, plan: Plan) -> int:
+        return sum(self.bm.blocks_needed(s, self._target(s, n)) for s, n, _ in plan)
+
+    def _min_blocks(self, group: SequenceGroup) -> int:
+        """A lower bound of the blocks the group needs to make progress: its longest sequence
+        and the slot of its next token (sequences may share blocks)."""
+        return max(cdiv(len(s) + 1, self.block_size) for s in group.live_seqs)
+
+    def _too_big_message(self, group: SequenceGroup) -> str:
+        tokens = sum(len(s) for s in group.live_seqs)
+        return (
+            f"request {group.request_id} ({len(group.live_seqs)} sequences, {tokens} tokens) needs more "
+            f"KV-cache blocks than the pool of {self.bm.num_blocks} blocks of {self.block_size} tokens holds"
+        )
+
+    def _commit(self, group: SequenceGroup, plan: Plan, out: SchedulerOutput, budget: _Budget) -> None:
+        for seq, n, sample in plan:
+            is_prefill = n > 1 or seq.num_computed_tokens == 0
+            out.copies += self.bm.ensure_slots(seq, self._target(seq, n))
+            out.chunks.append(ScheduledChunk(seq, group, n, sample, is_prefill))
+            budget.tokens -= n
+            budget.seqs -= 1
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        seqs = group.live_seqs
+        group.metrics.num_preemptions += 1
+        out.preempted.append(group)
+        wants_swap = self.preemption_mode == "swap" or (self.preemption_mode == "auto" and len(seqs) > 1)
+        if wants_swap and self.bm.can_swap_out(seqs):
+            out.swap_out += self.bm.swap_out(seqs)
+            self._insert_by_arrival(self.swapped, group)
+            return
+        for seq in seqs:
+            self.bm.free(seq)
+            seq.reset_for_recompute()
+        self._insert_by_arrival(self.waiting, group)
+
+    def _num_steps(self, out: SchedulerOutput) -> int:
+        chunks = out.chunks
+        if not self.lookahead or not chunks:
+            return 1
+        if any(c.is_prefill or c.group.is_beam for c in chunks):
+            return 1
+        room = min(self.max_model_len - len(c.seq) + 1 for c in chunks)
+        wanted = max(c.group.params.max_tokens - c.seq.num_output_tokens for c in chunks)
+        return max(1, min(self.num_scheduler_steps, room, wanted))
+
+
+@dataclass
+class _Budget:
+    tokens: int
+    seqs: int

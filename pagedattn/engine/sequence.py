@@ -1,0 +1,158 @@
+"""A sequence (one completion's tokens and KV blocks) and a request's group of sequences."""
+
+from __future__ import annotations
+
+import copy
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedattn.engine.outputs import RequestMetrics
+from pagedattn.engine.sampling_params import SamplingParams
+
+SLIDING_FREED = -1
+"""A block-table entry whose block fell out of the sliding window and was freed."""
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # needs (re)computing from some token on; holds GPU blocks only once admitted
+    RUNNING = "running"  # holds GPU blocks
+    SWAPPED = "swapped"  # holds CPU blocks
+    FINISHED = "finished"  # holds nothing
+
+
+class Sequence:
+    """Token ids (prompt then output) and the KV-cache bookkeeping of one completion.
+
+    `num_computed_tokens`: leading tokens whose K/V are in the cache (the vocabulary's
+    context_len of the next step). Tokens past it are computed by the next steps; a running
+    sequence has at least one (the last sampled token).
+    """
+
+    def __init__(self, seq_id: int, prompt_token_ids: list[int], block_size: int):
+        self.seq_id = seq_id
+        self.block_size = block_size
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.status = SeqStatus.WAITING
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+        self.generator: torch.Generator | None = None
+        self.detokenizer = None  # engine.detokenizer.IncrementalDetokenizer, when a tokenizer exists
+        # Prefix caching: how many leading blocks were offered to the hash table, and the hash
+        # chain of full blocks of `token_ids` (content only, independent of physical blocks).
+        self.num_registered_blocks = 0
+        self._block_hashes: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, len={len(self)}, computed={self.num_computed_tokens}, "
+            f"status={self.status.value}, blocks={self.block_table})"
+        )
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text if self.detokenizer is not None else ""
+
+    def append_token(self, token_id: int, logprob: float) -> None:
+        self.token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+
+    def block_hash(self, i: int) -> int:
+        """Chained hash of full block `i`: hash((hash of block i-1 or None, its token ids))."""
+        bs = self.block_size
+        if (i + 1) * bs > len(self.token_ids):
+            raise ValueError(f"block {i} is not full: sequence has {len(self.token_ids)} tokens of block size {bs}")
+        while len(self._block_hashes) <= i:
+            j = len(self._block_hashes)
+            parent = self._block_hashes[j - 1] if j else None
+            self._block_hashes.append(hash((parent, tuple(self.token_ids[j * bs : (j + 1) * bs]))))
+        return self._block_hashes[i]
+
+    def block_tokens(self, i: int) -> tuple[int, ...]:
+        return tuple(self.token_ids[i * self.block_size : (i + 1) * self.block_size])
+
+    def fork(self, seq_id: int) -> Sequence:
+        """A copy sharing nothing mutable; the block manager shares the blocks (`BlockManager.fork`)."""
+        child = copy.copy(self)
+        child.seq_id = seq_id
+        child.token_ids = list(self.token_ids)
+        child.block_table = []
+        child._block_hashes = list(self._block_hashes)
+        child.generator = None
+        child.detokenizer = copy.deepcopy(self.detokenizer) if self.detokenizer is not None else None
+        return child
+
+    def reset_for_recompute(self) -> None:
+        """Forget the cache: every token (prompt and outputs so far) is computed again."""
+        self.num_computed_tokens = 0
+        self.num_registered_blocks = 0
+        self.block_table = []
+        self.status = SeqStatus.WAITING
+
+
+@dataclass
+class BeamHypothesis:
+    score: float  # cumulative logprob / generated tokens ** length_penalty
+    token_ids: list[int]  # output tokens only
+    cumulative_logprob: float
+    finish_reason: str
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """One request: its prompt, options, and sequences (one until the first sample forks
+    `best_of` samples or beams)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    arrival_index: int
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
+    generators: list[torch.Generator | None] = field(default_factory=list)  # per completion, seeded requests
+    forked: bool = False
+    beam_hypotheses: list[BeamHypothesis] = field(default_factory=list)
+    beam_done: bool = False
+    error: str | None = None
+
+    @property
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished]
+
+    @property
+    def is_beam(self) -> bool:
+        return self.params.use_beam_search
+
+    @property
+    def is_finished(self) -> bool:
+        return self.error is not None or self.beam_done or not self.live_seqs
+
+    @property
+    def needs_fork(self) -> bool:
+        """Whether the next sample of the prompt should branch into `width` sequences."""
+        return not self.forked and (self.params.width > 1 or self.is_beam)

@@ -1,0 +1,198 @@
+"""The block manager under thousands of random operations, against a model of the cache.
+
+Every operation is followed by `check_integrity()`. A fake KV cache (one token id per slot)
+is written where a step would write, copied where the manager asks for copy-on-write, swap
+and back; reading each live sequence through its block table must give back its tokens, so
+prefix-cache hits, forks and swaps are checked for content, not only for bookkeeping.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedattn.engine.block_manager import BlockManager, cdiv
+from pagedattn.engine.sequence import SLIDING_FREED, Sequence, SeqStatus
+
+
+class Driver:
+    def __init__(self, num_blocks=24, block_size=4, prefix=True, window=None, cpu_blocks=16, seed=0):
+        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix, sliding_window=window,
+                               num_cpu_blocks=cpu_blocks)
+        self.bs = block_size
+        self.window = window
+        self.gpu = [[None] * block_size for _ in range(num_blocks)]
+        self.cpu = [[None] * block_size for _ in range(cpu_blocks)]
+        self.seqs: list[Sequence] = []
+        self.rng = random.Random(seed)
+        self.ids = 0
+        self.prefixes = [[self.rng.randrange(50) for _ in range(3 * block_size)] for _ in range(3)]
+
+    def check(self):
+        self.bm.check_integrity(self.seqs)
+        for s in self.seqs:
+            if s.status is not SeqStatus.RUNNING:
+                continue
+            first = 0 if self.window is None else max(0, s.num_computed_tokens - self.window + 1)
+            for p in range(first, s.num_computed_tokens):
+                block = s.block_table[p // self.bs]
+                assert block != SLIDING_FREED, (s, p)
+                assert self.gpu[block][p % self.bs] == s.token_ids[p], (s, p)
+
+    def compute(self, seq, upto):
+        """A step computing `seq` up to `upto` tokens, if the pool allows; True when it ran."""
+        if self.bm.blocks_needed(seq, upto) > self.bm.num_free_blocks:
+            return False
+        for src, dst in self.bm.ensure_slots(seq, upto):
+            self.gpu[dst] = list(self.gpu[src])
+        for p in range(seq.num_computed_tokens, upto):
+            self.gpu[seq.block_table[p // self.bs]][p % self.bs] = seq.token_ids[p]
+        self.bm.mark_computed(seq, upto)
+        return True
+
+    def op_new(self):
+        prefix = self.rng.choice(self.prefixes)[: self.rng.randrange(1, 3 * self.bs)]
+        seq = Sequence(self.ids, prefix + [self.rng.randrange(50) for _ in range(self.rng.randrange(3))], self.bs)
+        self.ids += 1
+        self.bm.allocate_prefix(seq)
+        seq.status = SeqStatus.RUNNING
+        self.seqs.append(seq)
+        if not self.compute(seq, len(seq) - self.rng.randrange(2)):
+            self.free(seq)
+
+    def running(self):
+        return [s for s in self.seqs if s.status is SeqStatus.RUNNING]
+
+    def op_append(self):
+        if running := self.running():
+            seq = self.rng.choice(running)
+            seq.append_token(self.rng.randrange(50), 0.0)
+            if not self.compute(seq, len(seq)):
+                seq.token_ids.pop()
+
+    def op_fork(self):
+        if running := self.running():
+            parent = self.rng.choice(running)
+            child = parent.fork(self.ids)
+            self.ids += 1
+            self.bm.fork(parent, child)
+            self.seqs.append(child)
+
+    def free(self, seq):
+        self.bm.free(seq)
+        seq.status = SeqStatus.FINISHED
+        self.seqs.remove(seq)
+
+    def op_free(self):
+        if self.seqs:
+            self.free(self.rng.choice(self.seqs))
+
+    def op_swap_out(self):
+        if running := self.running():
+            seq = self.rng.choice(running)
+            if self.bm.can_swap_out([seq]):
+                for g, c in self.bm.swap_out([seq]):
+                    self.cpu[c] = list(self.gpu[g])
+
+    def op_swap_in(self):
+        swapped = [s for s in self.seqs if s.status is SeqStatus.SWAPPED]
+        if swapped:
+            seq = self.rng.choice(swapped)
+            if self.bm.swap_in_cost([seq]) <= self.bm.num_free_blocks:
+                for c, g in self.bm.swap_in([seq]):
+                    self.gpu[g] = list(self.cpu[c])
+
+    def op_recompute(self):
+        if running := self.running():
+            seq = self.rng.choice(running)
+            self.bm.free(seq)
+            seq.reset_for_recompute()
+            self.bm.allocate_prefix(seq)
+            seq.status = SeqStatus.RUNNING
+            if not self.compute(seq, len(seq)):
+                self.free(seq)
+
+    OPS = ("op_new", "op_append", "op_append", "op_fork", "op_free", "op_swap_out", "op_swap_in", "op_recompute")
+
+    def run(self, ops):
+        for name in ops:
+            getattr(self, name)()
+            self.check()
+
+
+CONFIGS = {
+    "prefix_cache": dict(),
+    "no_prefix_cache": dict(prefix=False),
+    "block_size_1": dict(block_size=1, num_blocks=40),
+    "sliding_window": dict(window=5),
+    "tiny_pool": dict(num_blocks=6, cpu_blocks=4),
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
+def test_random_operations(config):
+    driver = Driver(seed=1, **CONFIGS[config])
+    rng = random.Random(2)
+    driver.run(rng.choice(Driver.OPS) for _ in range(3000))
+    for seq in list(driver.seqs):
+        driver.free(seq)
+    driver.check()
+    assert driver.bm.num_free_blocks == driver.bm.num_blocks
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.sampled_from(Driver.OPS), max_size=120), seed=st.integers(0, 2**16),
+       prefix=st.booleans(), block_size=st.sampled_from([1, 2, 4]))
+def test_random_operations_hypothesis(ops, seed, prefix, block_size):
+    Driver(num_blocks=12, block_size=block_size, prefix=prefix, cpu_blocks=6, seed=seed).run(ops)
+
+
+def test_prefix_hit_reuses_blocks_and_leaves_the_last_token():
+    bm = BlockManager(10, 4)
+    a = Sequence(0, list(range(12)), 4)
+    bm.allocate_prefix(a)
+    bm.ensure_slots(a, 12)
+    bm.mark_computed(a, 12)
+    b = Sequence(1, list(range(12)), 4)  # whole blocks cached: the last block is recomputed
+    assert bm.allocate_prefix(b) == 8
+    assert b.block_table == a.block_table[:2]
+    c = Sequence(2, list(range(10)) + [99, 98, 97], 4)
+    assert bm.allocate_prefix(c) == 8
+    bm.free(a)
+    bm.check_integrity([b, c])
+    # Freed cached blocks stay evictable and are taken last (LRU).
+    assert a.block_table == [] and len(bm.evictable) == 1
+    assert bm.num_free_blocks == 8
+
+
+def test_copy_on_write_after_fork():
+    bm = BlockManager(10, 4)
+    parent = Sequence(0, list(range(6)), 4)
+    bm.allocate_prefix(parent)
+    bm.ensure_slots(parent, 6)
+    bm.mark_computed(parent, 6)
+    child = parent.fork(1)
+    bm.fork(parent, child)
+    for s in (parent, child):
+        s.append_token(7, 0.0)
+    assert bm.blocks_needed(child, 7) == 1
+    copies = bm.ensure_slots(child, 7)
+    assert copies == [(parent.block_table[1], child.block_table[1])]
+    assert bm.ensure_slots(parent, 7) == []  # the parent owns its block alone now
+    assert child.block_table[0] == parent.block_table[0]
+    bm.check_integrity([parent, child])
+
+
+def test_sliding_window_frees_blocks():
+    bm = BlockManager(10, 4, sliding_window=4)
+    seq = Sequence(0, list(range(20)), 4)
+    bm.allocate_prefix(seq)
+    bm.ensure_slots(seq, 20)
+    bm.mark_computed(seq, 20)
+    # The next query (position 20) sees positions 17..20: blocks 0..3 (positions < 16) are dead.
+    assert seq.block_table[:4] == [SLIDING_FREED] * 4
+    assert bm.num_free_blocks == 10 - cdiv(20, 4) + 4
+    bm.check_integrity([seq])
