@@ -1,0 +1,445 @@
+"""The `flashinfer` backend: FlashInfer 0.7's paged prefill/decode wrappers over the
+`(num_blocks, 2, block_size, Hkv, D)` cache ("NHD" pages: K = kv[:, 0], V = kv[:, 1]).
+
+Plan once per step, run per layer:
+- Every impl registers itself on `FlashInferBackend` at construction; its `LayerSpec` (scale,
+  window, soft cap, head counts, dtypes: what FlashInfer fixes at plan time) is known once the
+  layer has seen its query dtype (the first forward). Gemma 2's alternating windows are simply
+  two specs.
+- `FlashInferMetadataBuilder.build` computes each part's pages (`PagedKV`) and plans one wrapper
+  per (part, spec) for every live spec: the prefill view on `BatchPrefillWithPagedKVCacheWrapper`
+  (causal: bottom-right aligned, so chunked prefill and prefix-cache hits take the same path),
+  the decode view on `BatchDecodeWithPagedKVCacheWrapper` (tensor cores for grouped heads).
+  Graph-padded metadata is planned by `FlashInferState.begin_forward` instead.
+- `FlashInferImpl._forward` stores K/V, picks its planned wrapper and runs it: no planning, no
+  host sync, no allocation. Fallback, documented: a spec met for the first time (the layer's
+  first step, or an impl built after the metadata) is planned right there, outside CUDA-graph
+  capture only; the builder plans it from then on.
+
+FP8 caches take real scales. FlashInfer's `run(k_scale=, v_scale=)` wants Python floats
+(k_scale is folded into the host-side sm_scale). Float scales are passed as such; 0-dim device
+tensors are applied on the device instead: q * k_scale is written into `out` and run from there
+(each kernel tile reads its q rows before writing the same rows of out, split-KV partials go to
+the workspace), and out *= v_scale afterwards.
+
+Refused at construction: ALiBi (FlashInfer's ALIBI mode uses its own fixed slopes, `run()`
+takes no per-head slopes), float32 (FlashInfer compiles no fp32 kernels), head sizes FlashInfer
+does not build (see `FlashInferBackend.capabilities`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedattn.attention.backend import AttentionBackend, AttentionImpl, Capabilities
+from pagedattn.attention.builder import MetadataBuilder
+from pagedattn.attention.metadata import AttentionMetadata
+from pagedattn.attention.state import AttentionState
+from pagedattn.attention.types import FP8_DTYPES, AttentionType, kv_cache_dtype
+from pagedattn.backends.flashinfer_plan import (LayerSpec, PagedKV, Plans, Role, cumsum_list,
+                                                host_int32, make_wrapper, pages_on_device,
+                                                pages_on_host, workspace)
+from pagedattn.kv_cache import store_kv
+
+_MIN_VERSION = (0, 7)
+
+
+def _version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("flashinfer-python", "flashinfer"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def unavailable_reasons() -> list[str]:
+    """Why this backend cannot run here; imports neither flashinfer nor a CUDA context."""
+    reasons = []
+    if importlib.util.find_spec("flashinfer") is None:
+        reasons.append("needs the flashinfer package (pip install flashinfer-python)")
+    else:
+        v = _version()
+        parts = tuple(int(x) for x in re.findall(r"\d+", v or "")[:2])
+        if v is not None and parts < _MIN_VERSION:
+            reasons.append(f"needs flashinfer >= {'.'.join(map(str, _MIN_VERSION))}, found {v}")
+    if not torch.cuda.is_available():
+        reasons.append("needs a CUDA GPU")
+    return reasons
+
+
+class FlashInferBackend(AttentionBackend):
+    # Head sizes: FlashInfer's JIT instantiates its FA2 templates for any multiple of 16
+    # (HEAD_DIM = NUM_MMA_D * 16; scheduler.cuh notes plan() accepts any multiple of 16), VO up
+    # to 256; FA3 (Hopper prefill) covers 64/128/256 and FlashInfer falls back to FA2 otherwise.
+    # The CUDA-core decode kernel is used for 64/128/256 only (`LayerSpec.use_tensor_cores`);
+    # 16 is left out (its fp8 decode tile is below the kernel's two pipeline stages).
+    capabilities = Capabilities(
+        head_sizes=tuple(range(32, 257, 16)),
+        dtypes=(torch.float16, torch.bfloat16),
+        alibi=False,
+    )
+    kv_cache_block_dim = 0  # swap/copy move whole kv[blk] slices (K and V of the block)
+    _layers: weakref.WeakSet = weakref.WeakSet()
+
+    @staticmethod
+    def get_name() -> str:
+        return "flashinfer"
+
+    @classmethod
+    def provider(cls) -> str:
+        v = _version()
+        return f"flashinfer {v}" if v else "flashinfer"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return FlashInferImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type[AttentionMetadata]:
+        return FlashInferMetadata
+
+    @staticmethod
+    def get_builder_cls() -> type[MetadataBuilder]:
+        return FlashInferMetadataBuilder
+
+    @staticmethod
+    def get_state_cls() -> type[AttentionState]:
+        return FlashInferState
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def register_layer(cls, impl: FlashInferImpl) -> None:
+        """Called by every impl at construction; held weakly (a dead layer is not planned)."""
+        cls._layers.add(impl)
+
+    @classmethod
+    def layer_specs(cls) -> set[LayerSpec]:
+        """The distinct specs of the live layers whose query dtype is known: what a step plans."""
+        return {impl.spec(d) for impl in list(cls._layers) for d in impl.q_dtypes}
+
+
+# ----------------------------------------------------------------------------- metadata
+
+
+@dataclass
+class FlashInferMetadata(AttentionMetadata):
+    """The common metadata plus FlashInfer's pages of the part it describes.
+
+    `paged_kv` / `cross_paged_kv` (through `cross_block_tables`) describe this metadata's
+    sequences; a mixed batch's top level has none (its prefill/decode views do). `plans` holds
+    the wrappers planned for this part, per (role, spec).
+    """
+
+    paged_kv: PagedKV | None = field(default=None, repr=False, compare=False)
+    cross_paged_kv: PagedKV | None = field(default=None, repr=False, compare=False)
+    plans: Plans | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def paged_kv_indptr(self) -> torch.Tensor | None:  # int32 [B+1]
+        return None if self.paged_kv is None else self.paged_kv.indptr
+
+    @property
+    def paged_kv_indices(self) -> torch.Tensor | None:  # int32 [B*W+1], valid prefix indptr[-1]
+        return None if self.paged_kv is None else self.paged_kv.indices
+
+    @property
+    def paged_kv_last_page_len(self) -> torch.Tensor | None:  # int32 [B], 1..block_size
+        return None if self.paged_kv is None else self.paged_kv.last_page_len
+
+    def _slice(self, prefill: bool) -> AttentionMetadata:
+        view = super()._slice(prefill)
+        _attach(view)
+        return view
+
+    def advance_step(self, input_tokens, input_positions, sampled_token_ids, block_size, num_seqs, num_queries) -> None:
+        """The common advance (tokens, positions, lengths, slots), then this batch's pages on
+        the device (indptr, indices, last-page lengths, no host sync) and their host copies,
+        and a re-plan of the decode wrappers this metadata holds (host work only)."""
+        super().advance_step(input_tokens, input_positions, sampled_token_ids, block_size, num_seqs, num_queries)
+        kv = self.paged_kv
+        pages_on_device(self.block_tables, self.seq_lens_tensor, block_size,
+                        out=(kv.indptr, kv.indices, kv.last_page_len))
+        indptr, last = pages_on_host(self.seq_lens, block_size)
+        # fresh pinned tensors: an async copy of the old ones may still be in flight
+        kv.indptr_host, kv.last_page_len_host = host_int32(indptr), host_int32(last)
+        self.plans.replan_all(lambda role: kv if role is Role.DECODE else None, block_size)
+
+
+def _paged(block_tables, seq_lens_tensor, seq_lens: list[int], query_lens: list[int], block_size: int) -> PagedKV:
+    indptr, last = pages_on_host(seq_lens, block_size)
+    return PagedKV(*pages_on_device(block_tables, seq_lens_tensor, block_size),
+                   indptr_host=host_int32(indptr), last_page_len_host=host_int32(last),
+                   qo_indptr_host=host_int32(cumsum_list(query_lens)))
+
+
+def _attach(md: FlashInferMetadata) -> None:
+    """Give `md` its pages (when it is one part: all prefills or all decodes) and a `Plans`."""
+    md.plans = Plans(md.slot_mapping.device)
+    md.paged_kv = md.cross_paged_kv = None
+    if md.num_prefills and md.num_decode_tokens:
+        return
+    bs = md.block_size
+    md.paged_kv = _paged(md.block_tables, md.seq_lens_tensor, md.seq_lens, md.query_lens, bs)
+    if md.cross_block_tables is not None and md.encoder_seq_lens is not None:
+        md.cross_paged_kv = _paged(md.cross_block_tables, md.encoder_seq_lens_tensor,
+                                   md.encoder_seq_lens, md.query_lens, bs)
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+def _ragged_inputs(md: FlashInferMetadata, spec: LayerSpec):
+    """(qo_indptr, kv_indptr) host tensors of the ragged roles, or None when absent."""
+    kind, p = spec.attn_type, md.num_prefills
+    if kind is AttentionType.ENCODER:
+        if md.encoder_seq_lens is None:
+            return None
+        enc = host_int32(cumsum_list(md.encoder_seq_lens[:p]))
+        return enc, enc
+    if kind is AttentionType.ENCODER_DECODER:  # profiling: prefills over their encoder tokens
+        if md.encoder_seq_lens is None:
+            return None
+        return host_int32(cumsum_list(md.query_lens[:p])), host_int32(cumsum_list(md.encoder_seq_lens[:p]))
+    qo = host_int32(cumsum_list(md.query_lens))  # ENCODER_ONLY, or a DECODER's profiling run
+    return qo, qo
+
+
+def _inputs(part: FlashInferMetadata, role: Role, spec: LayerSpec):
+    if role in (Role.PREFILL, Role.DECODE):
+        return part.paged_kv
+    if role in (Role.CROSS_PREFILL, Role.CROSS_DECODE):
+        return part.cross_paged_kv
+    return _ragged_inputs(part, spec)
+
+
+def _ensure_plan(part: FlashInferMetadata, role: Role, spec: LayerSpec):
+    """The wrapper planned for (role, spec) on this part, planning it if missing (None when
+    the part lacks what the role reads, e.g. cross tables)."""
+    wrapper = part.plans.get(role, spec)
+    if wrapper is None:
+        inputs = _inputs(part, role, spec)
+        if inputs is not None:
+            wrapper = part.plans.plan(role, spec, inputs, part.block_size)
+    return wrapper
+
+
+def _part_roles(md: FlashInferMetadata, spec: LayerSpec):
+    """(part, role) pairs a layer of `spec` runs on for this step (cache present)."""
+    if spec.attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
+        return [(md, Role.RAGGED)]
+    cross = spec.attn_type is AttentionType.ENCODER_DECODER
+    return [(part, role) for part, role in (
+        (md.prefill_metadata, Role.CROSS_PREFILL if cross else Role.PREFILL),
+        (md.decode_metadata, Role.CROSS_DECODE if cross else Role.DECODE)) if part is not None]
+
+
+def plan_step(md: FlashInferMetadata, decoder_only: bool = False) -> None:
+    """Plan every live layer spec for this step (specs already planned are kept);
+    `decoder_only` for CUDA-graph capture metadata, which captures decoder decodes only."""
+    for spec in FlashInferBackend.layer_specs():
+        if decoder_only and spec.attn_type is not AttentionType.DECODER:
+            continue
+        if spec.attn_type is AttentionType.ENCODER and not md.num_encoder_tokens:
+            continue
+        for part, role in _part_roles(md, spec):
+            _ensure_plan(part, role, spec)
+
+
+class FlashInferMetadataBuilder(MetadataBuilder):
+    """The common builder, then FlashInfer's pages per part and the step's plans."""
+
+    metadata_cls = FlashInferMetadata
+
+    def __init__(self, block_size: int, device, *, sliding_window: int | None = None):
+        super().__init__(block_size, device, sliding_window=sliding_window)
+        if self.device.type != "cuda":
+            raise ValueError(f"the 'flashinfer' backend needs a CUDA device, got {self.device}")
+
+    def _extend(self, md: FlashInferMetadata, seqs) -> None:
+        _attach(md)
+        _ = (md.prefill_metadata, md.decode_metadata)  # the views (and their pages) are built here
+        if not md.use_cuda_graph:  # graph-padded steps are planned by FlashInferState.begin_forward
+            plan_step(md)
+
+
+# ----------------------------------------------------------------------------- CUDA graphs
+
+
+class FlashInferState(AttentionState):
+    """CUDA-graph decode: per captured batch size, one `use_cuda_graph=True` decode wrapper per
+    spec over fixed page buffers (indptr [max_bs+1], indices [max_bs*max_blocks+1], last-page
+    lengths [max_bs], shared by all specs and sizes). `begin_forward` re-plans them for the real
+    lengths before each replay; `prepare_graph_input_buffers` copies the pages with the rest."""
+
+    metadata_cls = FlashInferMetadata
+    _PAGED = ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
+
+    def __init__(self, max_batch_size: int, max_blocks_per_seq: int, block_size: int, device):
+        super().__init__(max_batch_size, max_blocks_per_seq, block_size, device)
+        self._graph_plans: dict[int, Plans] = {}  # batch size -> its graph wrappers (shared by clones)
+
+    def _allocate(self) -> dict[str, torch.Tensor]:
+        n, w, dev = self.max_batch_size, self.max_blocks_per_seq, self.device
+        buffers = super()._allocate()
+        buffers["paged_kv_indptr"] = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        buffers["paged_kv_indices"] = torch.zeros(n * w + 1, dtype=torch.int32, device=dev)
+        buffers["paged_kv_last_page_len"] = torch.ones(n, dtype=torch.int32, device=dev)
+        return buffers
+
+    def _extend_capture_metadata(self, md: FlashInferMetadata) -> None:
+        n, b = md.num_seqs, self._buffers
+        out = (b["paged_kv_indptr"][: n + 1], b["paged_kv_indices"], b["paged_kv_last_page_len"][:n])
+        indptr, last = pages_on_host(md.seq_lens, self.block_size)
+        md.paged_kv = PagedKV(*pages_on_device(md.block_tables, md.seq_lens_tensor, self.block_size, out=out),
+                              indptr_host=host_int32(indptr), last_page_len_host=host_int32(last),
+                              qo_indptr_host=host_int32(cumsum_list(md.query_lens)))
+        if n not in self._graph_plans:
+            self._graph_plans[n] = Plans(self.device, lambda role, spec: self._graph_wrapper(n, role, spec))
+        md.plans = self._graph_plans[n]
+        plan_step(md, decoder_only=True)
+
+    def _graph_wrapper(self, n: int, role: Role, spec: LayerSpec):
+        if role is not Role.DECODE:
+            raise NotImplementedError(
+                f"the 'flashinfer' backend captures decoder self-attention decode only, got {role.value} "
+                f"({spec.attn_type.name})")
+        ws = workspace(self.device)
+        ws.ensure(spec, graph_batch_size=n)
+        b = self._buffers
+        return make_wrapper(role, spec, ws.buffer, graph_buffers=dict(
+            indptr=b["paged_kv_indptr"][: n + 1], indices=b["paged_kv_indices"],
+            last_page_len=b["paged_kv_last_page_len"][:n]))
+
+    def get_graph_input_buffers(self, attn_metadata: FlashInferMetadata) -> dict[str, torch.Tensor]:
+        buffers = super().get_graph_input_buffers(attn_metadata)
+        for name in self._PAGED:
+            buffers[name] = getattr(attn_metadata, name)
+        return buffers
+
+    def prepare_graph_input_buffers(self, input_buffers: dict[str, torch.Tensor], attn_metadata: FlashInferMetadata) -> None:
+        super().prepare_graph_input_buffers(input_buffers, attn_metadata)
+        for name in self._PAGED:
+            src = getattr(attn_metadata, name)
+            input_buffers[name][: src.shape[0]].copy_(src, non_blocking=True)
+
+    def begin_forward(self, attn_metadata: FlashInferMetadata) -> None:
+        """Re-plan the graph wrappers of this batch size for the real lengths (before replay), or
+        plan the metadata's own wrappers when no graph of its size was captured."""
+        md = attn_metadata
+        graph = self._graph_plans.get(md.num_seqs) if md.use_cuda_graph else None
+        if graph is None:
+            plan_step(md)
+        else:
+            graph.replan_all(lambda role: md.paged_kv if role is Role.DECODE else None, self.block_size)
+
+    def graph_clone(self, batch_size: int) -> FlashInferState:
+        clone = super().graph_clone(batch_size)
+        clone._graph_plans = self._graph_plans
+        return clone
+
+
+# ----------------------------------------------------------------------------- impl
+
+
+class FlashInferImpl(AttentionImpl):
+    backend = FlashInferBackend
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.q_dtypes: set[torch.dtype] = set()  # query dtypes seen; a step plans each
+        self._specs: dict[torch.dtype, LayerSpec] = {}
+        FlashInferBackend.register_layer(self)
+
+    def _check_capabilities(self, caps: Capabilities) -> None:
+        if self.alibi_slopes is not None:
+            raise NotImplementedError(
+                "the 'flashinfer' backend does not support alibi_slopes: FlashInfer 0.7's batch wrappers "
+                "apply their own fixed slopes (pos_encoding_mode='ALIBI') and take no per-head slopes")
+        super()._check_capabilities(caps)
+
+    def spec(self, q_dtype: torch.dtype) -> LayerSpec:
+        if q_dtype not in self._specs:
+            self._specs[q_dtype] = self._make_spec(q_dtype)
+        return self._specs[q_dtype]
+
+    def _make_spec(self, q_dtype: torch.dtype) -> LayerSpec:
+        no_cache = self.attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
+        return LayerSpec(
+            num_qo_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_size,
+            sm_scale=self.scale,
+            window_left=-1 if self.sliding_window is None else self.sliding_window - 1,
+            logits_soft_cap=float(self.logits_soft_cap or 0.0), attn_type=self.attn_type, q_dtype=q_dtype,
+            kv_dtype=q_dtype if no_cache else kv_cache_dtype(self.kv_cache_dtype, q_dtype))
+
+    def _forward(self, q, k, v, kv_cache, md: FlashInferMetadata, k_scale, v_scale, out) -> None:
+        """q/out: [T, Hq, D] fp16/bf16; k/v: [Tk, Hkv, D] or None; kv_cache: (num_blocks, 2, bs, Hkv, D)."""
+        if not isinstance(md, FlashInferMetadata) or md.plans is None:
+            raise TypeError(f"expected metadata from the flashinfer builder or state, got {type(md).__name__}")
+        self.q_dtypes.add(q.dtype)
+        spec = self.spec(q.dtype)
+        kind, cached = self.attn_type, kv_cache.numel() > 0
+        if kind in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
+            _wrapper(md, Role.RAGGED, spec).run(q, k, v, out=out)
+            return
+        if not cached:  # profiling: attend over the step's own tokens
+            if kind is AttentionType.ENCODER_DECODER and md.num_decode_tokens:
+                raise ValueError("cross-attention decode needs the encoder K/V in the cache, got an empty kv_cache")
+            role = Role.RAGGED if kind is AttentionType.ENCODER_DECODER else Role.RAGGED_CAUSAL
+            _wrapper(md, role, spec).run(q, k, v, out=out)
+            return
+        k_cache, v_cache = kv_cache[:, 0], kv_cache[:, 1]  # [num_blocks, bs, Hkv, D] strided views
+        if kind is AttentionType.DECODER:
+            store_kv(k, v, k_cache, v_cache, md.slot_mapping, k_scale, v_scale)
+        elif k is not None and md.cross_slot_mapping is not None:
+            store_kv(k, v, k_cache, v_cache, md.cross_slot_mapping, k_scale, v_scale)
+        p = md.num_prefill_tokens
+        for part, role in _part_roles(md, spec):
+            rows = slice(None, p) if part.num_prefills else slice(p, None)
+            self._run_paged(_wrapper(part, role, spec), q[rows], kv_cache, out[rows], k_scale, v_scale)
+
+    @staticmethod
+    def _run_paged(wrapper, q, kv_cache, out, k_scale, v_scale) -> None:
+        if kv_cache.dtype not in FP8_DTYPES:
+            wrapper.run(q, kv_cache, out=out)
+            return
+        scales = {}
+        if isinstance(k_scale, torch.Tensor):
+            torch.mul(q, k_scale, out=out)  # s = sm_scale * (q * k_scale) . k_stored, on the device
+            q = out
+        else:
+            scales["k_scale"] = float(k_scale)
+        if not isinstance(v_scale, torch.Tensor):
+            scales["v_scale"] = float(v_scale)
+        wrapper.run(q, kv_cache, out=out, **scales)
+        if isinstance(v_scale, torch.Tensor):
+            out.mul_(v_scale)
+
+
+def _wrapper(part: FlashInferMetadata, role: Role, spec: LayerSpec):
+    """The wrapper planned for (role, spec); plans it now if the step has not (never while a
+    CUDA graph is being captured: a plan is host work the graph would not repeat)."""
+    wrapper = part.plans.get(role, spec)
+    if wrapper is not None:
+        return wrapper
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"flashinfer: no {role.value} plan for {spec} in this CUDA-graph capture; run the layer "
+            "once eagerly (warm-up) before capturing, so the capture metadata plans it")
+    wrapper = _ensure_plan(part, role, spec)
+    if wrapper is None:
+        raise ValueError(
+            f"{spec.attn_type.name} attention needs "
+            f"{'cross_block_tables and encoder lengths' if spec.attn_type is AttentionType.ENCODER_DECODER else 'encoder lengths'}"
+            ": build with ScheduledSeq(encoder_len=..., cross_block_table=...)")
+    return wrapper

@@ -1,0 +1,116 @@
+"""CUDA-graph decode: capture at batch sizes 1/8/32, replay with other lengths and tables, and
+compare with eager execution (and the step's cache writes); also multi-step replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pagedattn
+
+BLOCK_SIZE = 16
+MAX_BLOCKS = 12  # 192 tokens per sequence
+MAX_BATCH = 32
+
+
+def _random_seqs(g, n, num_blocks, lookahead=0):
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    seqs, at = [], 0
+    for _ in range(n):
+        seq_len = int(torch.randint(2, MAX_BLOCKS * BLOCK_SIZE - lookahead, (1,), generator=g))
+        need = -(-(seq_len + lookahead) // BLOCK_SIZE)
+        seqs.append(pagedattn.ScheduledSeq(seq_len, 1, perm[at:at + need]))
+        at += need
+    return seqs
+
+
+class _Graph:
+    """One captured decode step of `batch_size` rows over the state's buffers."""
+
+    def __init__(self, fi, state, impl, kv_cache, batch_size, hq, hkv, d, dtype):
+        dev = kv_cache.device
+        self.md = state.graph_capture_get_metadata_for_batch(batch_size)
+        self.state = state.graph_clone(batch_size)
+        self.buffers = self.state.get_graph_input_buffers(self.md)
+        self.q = torch.zeros(batch_size, hq * d, dtype=dtype, device=dev)
+        self.k = torch.zeros(batch_size, hkv * d, dtype=dtype, device=dev)
+        self.v = torch.zeros_like(self.k)
+        self.out = torch.empty_like(self.q)
+        self.impl, self.kv_cache = impl, kv_cache
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm-up: plans the graph wrapper, loads the kernels
+            self._step()
+        torch.cuda.current_stream().wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._step()
+
+    def _step(self):
+        self.impl.forward(self.q, self.k, self.v, self.kv_cache, self.md, output=self.out)
+
+    def replay(self, real_md, q, k, v):
+        self.state.prepare_graph_input_buffers(self.buffers, real_md)
+        self.state.begin_forward(real_md)
+        n = q.shape[0]
+        self.q[:n].copy_(q.flatten(1))
+        self.k[:n].copy_(k.flatten(1))
+        self.v[:n].copy_(v.flatten(1))
+        self.graph.replay()
+        return self.out[:n]
+
+
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=["gqa4_tensor_cores", "mha_cuda_cores"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_graph_replay_with_new_lengths_equals_eager(fi, cuda, heads, dtype):
+    hq, hkv, d = *heads, 128
+    g = torch.Generator().manual_seed(0)
+    num_blocks = MAX_BATCH * MAX_BLOCKS + 8
+    kv_cache = torch.randn(fi.get_kv_cache_shape(num_blocks, BLOCK_SIZE, hkv, d), generator=g).to(dtype).to(cuda)
+    impl = fi.get_impl_cls()(hq, d, 0.1, hkv)
+    state = fi.get_state_cls()(MAX_BATCH, MAX_BLOCKS, BLOCK_SIZE, cuda)
+    builder = fi.get_builder_cls()(BLOCK_SIZE, cuda)
+    with state.graph_capture(MAX_BATCH):
+        graphs = {b: _Graph(fi, state, impl, kv_cache, b, hq, hkv, d, dtype) for b in (32, 8, 1)}
+    for b, graph in graphs.items():
+        for real in sorted({b, max(1, b - 3)}):
+            for _ in range(2):  # replays with different lengths and tables
+                seqs = _random_seqs(g, real, num_blocks)
+                q = torch.randn(real, hq, d, generator=g).to(dtype).to(cuda)
+                k = torch.randn(real, hkv, d, generator=g).to(dtype).to(cuda)
+                v = torch.randn(real, hkv, d, generator=g).to(dtype).to(cuda)
+                eager_cache = kv_cache.clone()
+                eager = impl.forward(q, k, v, eager_cache, builder.build(seqs))
+                out = graph.replay(builder.build(seqs, cuda_graph_pad_to=b), q, k, v)
+                torch.testing.assert_close(out, eager, atol=2e-2, rtol=2e-2,
+                                           msg=lambda m: f"batch {b} ({real} real): {m}")
+                assert torch.equal(kv_cache, eager_cache), f"batch {b}: the graph wrote other cache entries"
+
+
+def test_graph_replay_after_advance_step(fi, cuda):
+    """Multi-step decoding: advance the real metadata on the device, re-plan, replay."""
+    hq, hkv, d, dtype, b, real = 8, 2, 128, torch.bfloat16, 8, 6
+    g = torch.Generator().manual_seed(1)
+    num_blocks = MAX_BATCH * MAX_BLOCKS + 8
+    kv_cache = torch.randn(fi.get_kv_cache_shape(num_blocks, BLOCK_SIZE, hkv, d), generator=g).to(dtype).to(cuda)
+    impl = fi.get_impl_cls()(hq, d, 0.1, hkv)
+    state = fi.get_state_cls()(MAX_BATCH, MAX_BLOCKS, BLOCK_SIZE, cuda)
+    builder = fi.get_builder_cls()(BLOCK_SIZE, cuda)
+    with state.graph_capture(MAX_BATCH):
+        graph = _Graph(fi, state, impl, kv_cache, b, hq, hkv, d, dtype)
+    seqs = _random_seqs(g, real, num_blocks, lookahead=4)
+    md = builder.build(seqs, cuda_graph_pad_to=b)
+    tokens = torch.zeros(b, dtype=torch.int64, device=cuda)
+    positions = torch.tensor([s.seq_len - 1 for s in seqs] + [0] * (b - real), device=cuda)
+    for step in range(4):
+        q = torch.randn(real, hq, d, generator=g).to(dtype).to(cuda)
+        k = torch.randn(real, hkv, d, generator=g).to(dtype).to(cuda)
+        v = torch.randn(real, hkv, d, generator=g).to(dtype).to(cuda)
+        eager_cache = kv_cache.clone()
+        eager = impl.forward(q, k, v, eager_cache, builder.build(seqs))
+        out = graph.replay(md, q, k, v)
+        torch.testing.assert_close(out, eager, atol=2e-2, rtol=2e-2, msg=lambda m: f"step {step}: {m}")
+        assert torch.equal(kv_cache, eager_cache), f"step {step}: different cache writes"
+        md.advance_step(tokens, positions, torch.zeros(real, 1, dtype=torch.int64, device=cuda),
+                        BLOCK_SIZE, b, real)
+        seqs = [pagedattn.ScheduledSeq(s.seq_len + 1, 1, s.block_table) for s in seqs]
