@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: the backend suites on CUDA, kernel GPU tests, CUDA graphs and
+# the kernel benchmark. Logs go to $OUT (or ./gpu_out). Usage:
+#   bash scripts/gpu_check.sh [suite ...]      suites: torch triton flashinfer kernels bench engine
+set -uo pipefail
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+[ -f .peers/activate.sh ] && source .peers/activate.sh
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+suites=${*:-torch triton kernels bench}
+summary="$OUT/summary.txt"
+: > "$summary"
+
+run() {  # name, command...
+  local name=$1; shift
+  local start=$SECONDS
+  "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc $((SECONDS - start))s: $(grep -E '^(=+ )?[0-9]+ (passed|failed)|passed|failed|error' "$OUT/$name.log" | tail -1)" | tee -a "$summary"
+}
+
+python -m pagedattn.cli info > "$OUT/info.log" 2>&1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$OUT/info.log"
+for s in $suites; do
+  case $s in
+    torch|triton|flashinfer)
+      run "$s" python -m pytest tests/backend tests/gpu $([ "$s" = flashinfer ] && echo tests/flashinfer) \
+        --backend "$s" --device cuda -q -p no:cacheprovider -n 4 ;;
+    kernels) run kernels python -m pytest tests/kernels/test_kernels_gpu.py -q -p no:cacheprovider ;;
+    bench) run bench python -m pagedattn.cli bench kernels --out "$OUT/bench.json" ;;
+    engine) run engine python -m pytest tests/engine tests/models -q -p no:cacheprovider -k "cuda or gpu" ;;
+  esac
+done
+cat "$OUT/info.log"
+echo "----"
+cat "$summary"
