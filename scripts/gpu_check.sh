@@ -11,10 +11,10 @@ suites=${*:-torch triton kernels bench}
 summary="$OUT/summary.txt"
 : > "$summary"
 
-run() {  # name, command...
-  local name=$1; shift
+run() {  # name, time limit (s), command...
+  local name=$1 limit=$2; shift 2
   local start=$SECONDS
-  "$@" > "$OUT/$name.log" 2>&1
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   echo "$name rc=$rc $((SECONDS - start))s: $(grep -E '^(=+ )?[0-9]+ (passed|failed)|passed|failed|error' "$OUT/$name.log" | tail -1)" | tee -a "$summary"
 }
@@ -24,11 +24,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>
 for s in $suites; do
   case $s in
     torch|triton|flashinfer)
-      run "$s" python -m pytest tests/backend tests/gpu $([ "$s" = flashinfer ] && echo tests/flashinfer) \
+      run "$s" "${LIMIT:-240}" python -m pytest tests/backend tests/gpu $([ "$s" = flashinfer ] && echo tests/flashinfer) \
         --backend "$s" --device cuda -q -p no:cacheprovider -n 4 ;;
-    kernels) run kernels python -m pytest tests/kernels/test_kernels_gpu.py -q -p no:cacheprovider ;;
-    bench) run bench python -m pagedattn.cli bench kernels --out "$OUT/bench.json" ;;
-    engine) run engine python -m pytest tests/engine tests/models -q -p no:cacheprovider -k "cuda or gpu" ;;
+    kernels) run kernels 150 python -m pytest tests/kernels/test_kernels_gpu.py -q -p no:cacheprovider ;;
+    bench) run bench 200 python -m pagedattn.cli bench kernels --out "$OUT/bench.json" ;;
+    engine) run engine 240 python -m pytest tests/engine tests/models -q -p no:cacheprovider -k "cuda or gpu" ;;
   esac
 done
 cat "$OUT/info.log"
