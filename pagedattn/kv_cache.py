@@ -93,7 +93,10 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, src_to_dst: torch.Tensor, 
         if lo < 0 or hi >= cache.shape[block_dim]:
             raise IndexError(f"expected {name} blocks in [0, {cache.shape[block_dim]}), got [{lo}, {hi}]")
     blocks = _raw(src).index_select(block_dim, s.to(src.device))
-    _raw(dst).index_copy_(block_dim, d.to(dst.device), blocks.to(dst.device, non_blocking=True))
+    # Host-to-device copies may run ahead; a device-to-host copy must land before the CPU
+    # `index_copy_` reads it, so it is a blocking one.
+    blocks = blocks.to(dst.device, non_blocking=dst.device.type != "cpu")
+    _raw(dst).index_copy_(block_dim, d.to(dst.device), blocks)
 
 
 def copy_blocks(kv_caches: list[torch.Tensor], src_to_dists: torch.Tensor, block_dim: int) -> None:

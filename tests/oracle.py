@@ -52,7 +52,7 @@ class Tolerance:
 _TOL = {
     torch.float32: Tolerance(atol=1e-4, rtol=1e-4, rel_l2=2e-5),
     torch.float16: Tolerance(atol=2e-3, rtol=2e-3, rel_l2=1.5e-3),
-    torch.bfloat16: Tolerance(atol=1.5e-2, rtol=1.5e-2, rel_l2=1.2e-2),
+    torch.bfloat16: Tolerance(atol=1.5e-2, rtol=1.5e-2, rel_l2=1e-2),
 }
 # An FP8 cache compares the attention math on identically quantised K/V; what remains is the
 # rounding of the query/model dtype plus the odd fp8 rounding tie the backend resolves in a
