@@ -28,7 +28,12 @@ for s in $suites; do
         --backend "$s" --device cuda -q -p no:cacheprovider -n 4 ;;
     kernels) run kernels 150 python -m pytest tests/kernels/test_kernels_gpu.py -q -p no:cacheprovider ;;
     bench) run bench 200 python -m pagedattn.cli bench kernels --out "$OUT/bench.json" ;;
-    engine) run engine 240 python -m pytest tests/engine tests/models -q -p no:cacheprovider -k "cuda or gpu" ;;
+    torch-fp16|torch-bf16|triton-fp16|triton-bf16)
+      run "$s" "${LIMIT:-240}" python -m pytest tests/backend tests/gpu --backend "${s%-*}" --dtype "${s#*-}" \
+        --device cuda -q -p no:cacheprovider -n 4 ;;
+    engine) run engine 300 python -m pytest tests/engine tests/models --backend triton --device cuda -q \
+        -p no:cacheprovider -n 4 ;;
+    engine-bench) run engine-bench 240 python -m pagedattn.benchmarks.engine_gpu --backend triton ;;
   esac
 done
 cat "$OUT/info.log"
