@@ -5,6 +5,8 @@ All are free of host synchronisation, so they run inside CUDA graphs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pagedattn.attention.types import FP8_DTYPES
@@ -23,6 +25,29 @@ def dequantize(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
     return x.float() * scale if x.dtype in FP8_DTYPES else x.float()
 
 
+@dataclass(frozen=True)
+class StorePlan:
+    """Where `store_kv` writes each token of a step. It depends on the slot mapping only, so a
+    step can compute it once and every layer reuse it."""
+
+    rows: torch.Tensor  # int64 [T] source token of each write; a padding row repeats a real row
+    blocks: torch.Tensor  # int64 [T]
+    offsets: torch.Tensor  # int64 [T]
+    any_real: torch.Tensor  # bool []; False when every slot is padding (each write then keeps the slot)
+
+
+def plan_store(slot_mapping: torch.Tensor, block_size: int) -> StorePlan:
+    """The `StorePlan` of `slot_mapping` (int64 [T], -1 = padding), with no host synchronisation."""
+    valid = slot_mapping >= 0
+    # Padding rows rewrite a real row (same slot, same value), or, with no real row, the
+    # current content of slot 0: duplicate writes of equal values are harmless and need no
+    # data-dependent shapes.
+    rows = torch.arange(slot_mapping.shape[0], device=slot_mapping.device)
+    rows = torch.where(valid, rows, valid.to(torch.int8).argmax())
+    slots = slot_mapping[rows].clamp_(min=0)
+    return StorePlan(rows, slots // block_size, slots % block_size, valid.any())
+
+
 def store_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -31,6 +56,7 @@ def store_kv(
     slot_mapping: torch.Tensor,
     k_scale: float | torch.Tensor = 1.0,
     v_scale: float | torch.Tensor = 1.0,
+    plan: StorePlan | None = None,
 ) -> None:
     """Write token `t` of `key`/`value` at slot `slot_mapping[t]`; slots of -1 write nothing.
 
@@ -38,28 +64,20 @@ def store_kv(
         key, value: [T, Hkv, D].
         k_cache, v_cache: [num_blocks, block_size, Hkv, D], any strides.
         slot_mapping: int64 [T].
+        plan: `plan_store(slot_mapping, block_size)`, when the caller keeps it for the step.
     """
     t = slot_mapping.shape[0]
     if key.shape[0] != t or value.shape[0] != t:
         raise ValueError(f"expected key/value of {t} tokens (the slot mapping's), got {key.shape[0]}/{value.shape[0]}")
     if t == 0:
         return
-    block_size = k_cache.shape[1]
-    valid = slot_mapping >= 0
-    # Padding rows rewrite a real row (same slot, same value), or, with no real row, the
-    # current content of slot 0: duplicate writes of equal values are harmless and need no
-    # data-dependent shapes (no host synchronisation).
-    rows = torch.arange(t, device=slot_mapping.device)
-    first_real = valid.to(torch.int8).argmax()
-    rows = torch.where(valid, rows, first_real)
-    slots = slot_mapping[rows].clamp(min=0)
-    blocks, offsets = slots // block_size, slots % block_size
-    any_real = valid.any()
+    if plan is None:
+        plan = plan_store(slot_mapping, k_cache.shape[1])
     for src, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
-        new = _raw(quantize(src[rows], scale, cache.dtype))
+        new = _raw(quantize(src.index_select(0, plan.rows), scale, cache.dtype))
         raw = _raw(cache)
-        new = torch.where(any_real, new, raw[blocks, offsets])
-        raw.index_put_((blocks, offsets), new)
+        new = torch.where(plan.any_real, new, raw[plan.blocks, plan.offsets])
+        raw.index_put_((plan.blocks, plan.offsets), new)
 
 
 def _raw(cache: torch.Tensor) -> torch.Tensor:

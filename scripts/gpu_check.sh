@@ -33,7 +33,7 @@ for s in $suites; do
         --device cuda -q -p no:cacheprovider -n 4 ;;
     engine) run engine 300 python -m pytest tests/engine tests/models --backend triton --device cuda -q \
         -p no:cacheprovider -n 4 ;;
-    engine-bench) run engine-bench 240 python -m pagedattn.benchmarks.engine_gpu --backend triton ;;
+    engine-bench) run engine-bench 170 python -m pagedattn.benchmarks.engine_gpu --backend triton ;;
   esac
 done
 cat "$OUT/info.log"

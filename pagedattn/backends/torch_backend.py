@@ -1,20 +1,28 @@
 """The `torch` backend: pure PyTorch paged attention, the definition of the semantics.
 
 Each part of a step (prefills, decodes, encoder tokens) is computed densely: the part's queries
-are gathered into a padded `[B, Lq]` grid, its keys/values into `[B, Lk]` (through the block
-tables, or from the step's own tokens), and one masked float32 softmax covers the batch.
-Lengths come from device tensors and sizes from host ints, so nothing synchronises and decode
-steps capture in CUDA graphs.
+form a padded `[B, Lq]` grid, its keys/values `[B, Lk]` are gathered (through the block tables,
+or from the step's own tokens) and read in float32, and one masked float32 softmax covers the
+batch (`scaled_dot_product_attention`, or explicit scores with a logit soft cap).
+
+What depends only on the step (gather indices, the additive mask, the rows of the output) is a
+`_Plan`, built by the first layer that needs it and cached on the metadata, which lives one step
+(`advance_step` drops it); a layer then runs a handful of ops. Metadata of a CUDA graph is never
+cached on: its buffers change between replays. Lengths come from device tensors and sizes from
+host ints, so nothing synchronises and decode steps capture in CUDA graphs.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
+import torch.nn.functional as F
 
 from pagedattn.attention.backend import AttentionBackend, AttentionImpl, Capabilities
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.types import AttentionType
-from pagedattn.kv_cache import dequantize, store_kv
+from pagedattn.kv_cache import _raw, dequantize, plan_store, store_kv
 
 
 def unavailable_reasons() -> list[str]:
@@ -33,6 +41,41 @@ class TorchBackend(AttentionBackend):
         return TorchImpl
 
 
+@dataclass(frozen=True)
+class _Source:
+    """Where a part's keys/values come from: `paged` (the cache, through `tables` int32 [B, W]) or
+    dense rows `start_loc[b]:start_loc[b+1]` (int32 [B+1]) of the step's own K/V."""
+
+    name: str  # for the plan cache: which queries ("query/..." or "encoder/...") over which keys
+    paged: bool
+    lens: torch.Tensor | None  # int32 [B] keys per sequence (paged)
+    tables: torch.Tensor | None  # int32 [B, W] (paged)
+    start_loc: torch.Tensor | None  # int32 [B+1] (dense)
+    max_len: int
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The per-step tensors of one part of a step, shared by every layer with the same options."""
+
+    b: int
+    lq: int
+    lk: int
+    q_rows: torch.Tensor | None  # int64 [B*Lq] query row of each grid cell; None: decode (Lq=1, row b)
+    kv_rows: torch.Tensor  # int64 [B*Lk] cache slot (paged) or K/V row (dense) of each key
+    bias: torch.Tensor  # float32 [B, 1, Lq, Lk]: 0 where the query sees the key, -inf elsewhere
+    rel_pos: torch.Tensor | None  # float32 [B, 1, Lq, Lk] key_pos - query_pos (ALiBi only)
+    out_rows: torch.Tensor | None  # int64 [Tp] grid cell of each query token; None: decode
+    buffers: dict = field(default_factory=dict)  # gathered K/V rows, reused by the step's layers
+
+    def buffer(self, name: str, like: torch.Tensor, rows: int) -> torch.Tensor:
+        """A `[rows, *like.shape[1:]]` buffer of `like`'s dtype for this step (layers run one at a time)."""
+        key = (name, tuple(like.shape[1:]), like.dtype)
+        if key not in self.buffers:
+            self.buffers[key] = like.new_empty(rows, *like.shape[1:])
+        return self.buffers[key]
+
+
 class TorchImpl(AttentionImpl):
     backend = TorchBackend
 
@@ -43,16 +86,19 @@ class TorchImpl(AttentionImpl):
     def _forward(self, q, k, v, kv_cache, md: AttentionMetadata, k_scale, v_scale, out) -> None:
         kind = self.attn_type
         if kind is AttentionType.ENCODER_ONLY:
-            self._attend(q, out, md.query_start_loc, md.max_query_len, _Dense(k, v, md.query_start_loc, md.max_query_len), causal=False)
+            src = _Source("query/query", False, None, None, md.query_start_loc, md.max_query_len)
+            self._attend(md, q, out, md.query_start_loc, md.max_query_len, src, (k, v), causal=False)
             return
         if kind is AttentionType.ENCODER:
             loc = md.encoder_seq_start_loc
-            self._attend(q, out, loc, md.max_encoder_seq_len, _Dense(k, v, loc, md.max_encoder_seq_len), causal=False)
+            src = _Source("encoder/encoder", False, None, None, loc, md.max_encoder_seq_len)
+            self._attend(md, q, out, loc, md.max_encoder_seq_len, src, (k, v), causal=False)
             return
         cached = kv_cache.numel() > 0
         if kind is AttentionType.DECODER:
             if cached:
-                store_kv(k, v, kv_cache[0], kv_cache[1], md.slot_mapping, k_scale, v_scale)
+                plan = _cached(md, f"store:{kv_cache.shape[2]}", lambda: plan_store(md.slot_mapping, kv_cache.shape[2]))
+                store_kv(k, v, kv_cache[0], kv_cache[1], md.slot_mapping, k_scale, v_scale, plan)
             self._decoder(q, k, v, kv_cache if cached else None, md, k_scale, v_scale, out)
             return
         if cached and k is not None and md.cross_slot_mapping is not None:
@@ -61,18 +107,19 @@ class TorchImpl(AttentionImpl):
 
     def _decoder(self, q, k, v, kv_cache, md, k_scale, v_scale, out) -> None:
         p = md.num_prefill_tokens
-        if (pre := md.prefill_metadata) is not None:
-            if kv_cache is None:  # profiling: the prompt attends over its own tokens
-                kv = _Dense(k[:p], v[:p], pre.query_start_loc, pre.max_query_len)
+        for part, rows, max_q, max_kv in (
+            (md.prefill_metadata, slice(None, p), md.max_query_len, md.max_prefill_seq_len),
+            (md.decode_metadata, slice(p, None), 1, md.max_decode_seq_len),
+        ):
+            if part is None:
+                continue
+            if kv_cache is None:  # profiling: the part's queries attend over their own tokens
+                src = _Source("query/query", False, None, None, part.query_start_loc, max_q)
+                kv = (k[rows], v[rows])
             else:
-                kv = _Paged(kv_cache, pre.block_tables, pre.seq_lens_tensor, pre.max_prefill_seq_len, k_scale, v_scale)
-            self._attend(q[:p], out[:p], pre.query_start_loc, pre.max_query_len, kv, causal=True)
-        if (dec := md.decode_metadata) is not None:
-            if kv_cache is None:
-                kv = _Dense(k[p:], v[p:], dec.query_start_loc, 1)
-            else:
-                kv = _Paged(kv_cache, dec.block_tables, dec.seq_lens_tensor, dec.max_decode_seq_len, k_scale, v_scale)
-            self._attend(q[p:], out[p:], dec.query_start_loc, 1, kv, causal=True)
+                src = _Source("query/self", True, part.seq_lens_tensor, part.block_tables, None, max_kv)
+                kv = (kv_cache, k_scale, v_scale)
+            self._attend(part, q[rows], out[rows], part.query_start_loc, max_q, src, kv, causal=True)
 
     def _cross(self, q, k, v, kv_cache, md, k_scale, v_scale, out) -> None:
         if md.encoder_seq_lens_tensor is None:
@@ -82,60 +129,109 @@ class TorchImpl(AttentionImpl):
             if part is None:
                 continue
             if kv_cache is not None:
-                kv = _Paged(
-                    kv_cache, part.cross_block_tables, part.encoder_seq_lens_tensor,
-                    part.max_encoder_seq_len, k_scale, v_scale,
+                src = _Source(
+                    "query/cross", True, part.encoder_seq_lens_tensor, part.cross_block_tables, None, part.max_encoder_seq_len
                 )
+                kv = (kv_cache, k_scale, v_scale)
             elif part.num_prefills and k is not None:
-                kv = _Dense(k, v, part.encoder_seq_start_loc, part.max_encoder_seq_len)
+                src = _Source("query/encoder", False, None, None, part.encoder_seq_start_loc, part.max_encoder_seq_len)
+                kv = (k, v)
             else:
                 raise ValueError("cross-attention decode needs the encoder K/V in the cache, got an empty kv_cache")
-            self._attend(q[rows], out[rows], part.query_start_loc, part.max_query_len, kv, causal=False)
+            self._attend(part, q[rows], out[rows], part.query_start_loc, part.max_query_len, src, kv, causal=False)
 
-    def _attend(self, q, out, query_start_loc, max_query_len: int, kv, causal: bool) -> None:
+    def _attend(self, md, q, out, query_start_loc, max_query_len: int, src: _Source, kv, causal: bool) -> None:
         """Attend the part's tokens `q` [Tp, Hq, D] into `out` [Tp, Hq, D].
 
-        `query_start_loc` int32 [B+1] splits the rows into sequences of at most `max_query_len`.
+        `query_start_loc` int32 [B+1] splits the rows into sequences of at most `max_query_len`;
+        `kv` is `(kv_cache, k_scale, v_scale)` for a paged source, else the dense `(k, v)`.
         """
         t = q.shape[0]
         if t == 0:
             return
-        dev = q.device
+        block_size = kv[0].shape[2] if src.paged else 0
+        num_kv_rows = 0 if src.paged else kv[0].shape[0]
+        key = (
+            f"torch:{src.name}:{block_size}:{num_kv_rows}:{t}:{max_query_len}:{causal}:"
+            f"{self.sliding_window}:{self.alibi_slopes is not None}"
+        )
+        plan = _cached(md, key, lambda: self._plan(query_start_loc, max_query_len, t, src, block_size, num_kv_rows, causal))
+        if plan.lk == 0:  # no sequence has a key (only graph padding): rows that see no key are 0
+            out.zero_()
+            return
+        keys, values = _gather(plan, src, kv)  # [B, Hkv, Lk, D] float32 x2
+        b, lq, hq, hkv, d = plan.b, plan.lq, self.num_heads, self.num_kv_heads, self.head_size
+        g = hq // hkv
+        bias = plan.bias
+        if self.alibi_slopes is not None:
+            bias = bias + self._slopes(q.device).view(1, hq, 1, 1) * plan.rel_pos  # [B, Hq, Lq, Lk]
+        if plan.q_rows is None:
+            qf = q.float().view(b, hq, 1, d)  # decode: one row per sequence
+        else:
+            qf = q.float().index_select(0, plan.q_rows).view(b, lq, hq, d).transpose(1, 2)  # [B, Hq, Lq, D]
+        if self.logits_soft_cap is not None:
+            o = self._explicit(qf, keys, values, bias)
+        elif lq == 1:
+            # Each KV head's G query heads as its query rows: a plain SDPA, no K/V expansion.
+            o = F.scaled_dot_product_attention(
+                qf.view(b, hkv, g, d), keys, values, attn_mask=bias.view(b, -1, g if bias.shape[1] > 1 else 1, plan.lk),
+                scale=self.scale,
+            ).view(b, hq, 1, d)
+        else:
+            o = F.scaled_dot_product_attention(qf, keys, values, attn_mask=bias, scale=self.scale, enable_gqa=g > 1)
+        o = o.nan_to_num_(0.0)  # rows of padding, or that see no key, are 0 (whatever the SDPA kernel)
+        if plan.out_rows is None:
+            out.copy_(o.view(b, hq, d))
+        else:
+            out.copy_(o.transpose(1, 2).reshape(b * lq, hq, d).index_select(0, plan.out_rows))
+
+    def _explicit(self, q, keys, values, bias) -> torch.Tensor:
+        """Scores with the logit soft cap, then the masked softmax. q: [B, Hq, Lq, D] float32;
+        keys/values: [B, Hkv, Lk, D]; bias: [B, 1|Hq, Lq, Lk]. Returns [B, Hq, Lq, D]."""
+        hkv = self.num_kv_heads
+        qg = q.unflatten(1, (hkv, -1))  # [B, Hkv, G, Lq, D]
+        s = torch.matmul(qg, keys.unsqueeze(2).transpose(-1, -2)) * self.scale  # [B, Hkv, G, Lq, Lk]
+        s = torch.tanh(s / self.logits_soft_cap) * self.logits_soft_cap
+        s = s + (bias.unsqueeze(1) if bias.shape[1] == 1 else bias.unflatten(1, (hkv, -1)))
+        p = torch.softmax(s, dim=-1)
+        return torch.matmul(p, values.unsqueeze(2)).flatten(1, 2)
+
+    def _plan(self, query_start_loc, max_query_len: int, t: int, src: _Source, block_size: int, num_kv_rows: int,
+              causal: bool) -> _Plan:
+        dev = query_start_loc.device
         qsl = query_start_loc.long()
         b = qsl.shape[0] - 1
         q_lens = qsl[1:] - qsl[:-1]  # [B]
-        if max_query_len == 1:  # decode: one row per sequence
-            q_grid = q.unsqueeze(1)  # [B, 1, Hq, D]
+        lq = max_query_len
+        if src.paged:
+            n = min(-(-src.max_len // block_size), src.tables.shape[1])
+            offsets = torch.arange(block_size, device=dev)
+            kv_rows = (src.tables[:, :n].long()[:, :, None] * block_size + offsets).flatten(1)  # [B, Lk] slots
+            kv_lens = src.lens.long()
         else:
-            rows = qsl[:-1, None] + torch.arange(max_query_len, device=dev)  # [B, Lq]
-            q_grid = q[rows.clamp_(max=t - 1)]  # [B, Lq, Hq, D]
-        keys, values, kv_lens = kv.gather(b)  # [B, Lk, Hkv, D] float32 x2, int64 [B]
-        lq, lk = q_grid.shape[1], keys.shape[1]
+            loc = src.start_loc.long()
+            kv_lens = loc[1:] - loc[:-1]
+            kv_rows = (loc[:-1, None] + torch.arange(src.max_len, device=dev)).clamp_(max=max(num_kv_rows - 1, 0))
+        lk = kv_rows.shape[1]
         q_pos = (kv_lens - q_lens)[:, None] + torch.arange(lq, device=dev)  # [B, Lq] bottom-right aligned
         k_pos = torch.arange(lk, device=dev)  # [Lk]
-        mask = (k_pos < kv_lens[:, None])[:, None, :]  # [B, 1, Lk]
+        visible = (k_pos < kv_lens[:, None])[:, None, :]  # [B, 1, Lk]
         if causal:
-            mask = mask & (k_pos <= q_pos[..., None])  # [B, Lq, Lk]
+            visible = visible & (k_pos <= q_pos[..., None])  # [B, Lq, Lk]
         if self.sliding_window is not None:
-            mask = mask & (k_pos > q_pos[..., None] - self.sliding_window)
-
-        g = self.num_heads // self.num_kv_heads
-        qf = q_grid.float().unflatten(2, (self.num_kv_heads, g))  # [B, Lq, Hkv, G, D]
-        s = torch.einsum("bqhgd,bkhd->bhgqk", qf, keys) * self.scale  # [B, Hkv, G, Lq, Lk]
-        if self.logits_soft_cap is not None:
-            s = torch.tanh(s / self.logits_soft_cap) * self.logits_soft_cap
+            visible = visible & (k_pos > q_pos[..., None] - self.sliding_window)
+        visible = visible.expand(b, lq, lk)
+        bias = torch.zeros(b, 1, lq, lk, device=dev).masked_fill_(~visible[:, None], float("-inf"))
+        rel_pos = None
         if self.alibi_slopes is not None:
-            slopes = self._slopes(dev).view(1, self.num_kv_heads, g, 1, 1)
-            s = s + slopes * (k_pos - q_pos[..., None]).unsqueeze(1).unsqueeze(1)
-        s = s.masked_fill(~mask[:, None, None], float("-inf"))
-        p = torch.softmax(s, dim=-1).nan_to_num_(0.0)  # rows of padding see no key
-        o = torch.einsum("bhgqk,bkhd->bqhgd", p, values).flatten(2, 3)  # [B, Lq, Hq, D]
-        if lq == 1:
-            out.copy_(o[:, 0])
-            return
-        tok = torch.arange(t, device=dev)
-        seq = torch.searchsorted(qsl[1:], tok, right=True)  # [Tp] sequence of each row
-        out.copy_(o[seq, tok - qsl[seq]])
+            rel_pos = (k_pos - q_pos[..., None]).float()[:, None]  # [B, 1, Lq, Lk]
+        q_rows = out_rows = None
+        if lq > 1 or t != b:
+            q_rows = (qsl[:-1, None] + torch.arange(lq, device=dev)).clamp_(max=t - 1).flatten()
+            tok = torch.arange(t, device=dev)
+            seq = torch.searchsorted(qsl[1:], tok, right=True)  # [Tp] sequence of each row
+            out_rows = seq * lq + tok - qsl[seq]
+        return _Plan(b, lq, lk, q_rows, kv_rows.flatten(), bias, rel_pos, out_rows)
 
     def _slopes(self, device: torch.device) -> torch.Tensor:
         if device not in self._slopes_on:
@@ -143,31 +239,30 @@ class TorchImpl(AttentionImpl):
         return self._slopes_on[device]
 
 
-class _Paged:
-    """Keys/values of each sequence read through its block table (dequantised to float32)."""
-
-    def __init__(self, kv_cache, block_tables, lens, max_len: int, k_scale, v_scale):
-        self.kv_cache, self.block_tables, self.lens, self.max_len = kv_cache, block_tables, lens, max_len
-        self.k_scale, self.v_scale = k_scale, v_scale
-
-    def gather(self, b: int):
-        block_size = self.kv_cache.shape[2]
-        n = min(-(-self.max_len // block_size), self.block_tables.shape[1])
-        tables = self.block_tables[:, :n].long()  # [B, n]
-        k = self.kv_cache[0][tables].flatten(1, 2)  # [B, n*bs, Hkv, D]
-        v = self.kv_cache[1][tables].flatten(1, 2)
-        return dequantize(k, self.k_scale), dequantize(v, self.v_scale), self.lens.long()
+def _cached(md: AttentionMetadata, key: str, build):
+    """`build()`, kept on the metadata for the other layers of the step, unless the metadata is
+    a CUDA graph's (its buffers are rewritten before each replay, and capture must record the work)."""
+    if md.use_cuda_graph:
+        return build()
+    if key not in md._views:
+        md._views[key] = build()
+    return md._views[key]
 
 
-class _Dense:
-    """Keys/values of sequence b are rows `start_loc[b]:start_loc[b+1]` of contiguous tensors."""
+def _gather(plan: _Plan, src: _Source, kv) -> tuple[torch.Tensor, torch.Tensor]:
+    """The part's keys and values, float32 [B, Hkv, Lk, D] each (strided views of gathered rows).
 
-    def __init__(self, k, v, start_loc, max_len: int):
-        self.k, self.v, self.start_loc, self.max_len = k, v, start_loc, max_len
-
-    def gather(self, b: int):
-        loc = self.start_loc.long()
-        lens = loc[1:] - loc[:-1]
-        total = self.k.shape[0]
-        rows = (loc[:-1, None] + torch.arange(self.max_len, device=loc.device)).clamp_(max=max(total - 1, 0))
-        return self.k[rows].float(), self.v[rows].float(), lens
+    Rows are gathered into the plan's buffers: a fresh multi-MiB tensor per layer would cost
+    page faults on the CPU."""
+    if src.paged:
+        kv_cache, k_scale, v_scale = kv
+        pairs = ((_raw(kv_cache[0]).flatten(0, 1), k_scale), (_raw(kv_cache[1]).flatten(0, 1), v_scale))
+    else:
+        pairs = ((kv[0], None), (kv[1], None))
+    out = []
+    for i, (table, scale) in enumerate(pairs):  # table: [slots or tokens, Hkv, D]
+        rows = torch.index_select(table, 0, plan.kv_rows, out=plan.buffer(f"kv{i}", table, plan.kv_rows.shape[0]))
+        if src.paged:
+            rows = dequantize(rows.view(kv[0].dtype), scale)
+        out.append(rows.float().view(plan.b, plan.lk, *rows.shape[1:]).transpose(1, 2))
+    return out[0], out[1]

@@ -1,9 +1,12 @@
 """Engine throughput and memory: `pagedattn.LLM` vs transformers' `generate` on one model.
 
 Each (implementation, batch size) runs in a fresh subprocess, so its peak resident set size
-(`ru_maxrss`) is its own. Both sides decode the same prompts greedily for exactly
-`MAX_TOKENS` new tokens (EOS ignored) in float32 on the CPU (the model dtype on CUDA), and
-the number reported is generated tokens per second of wall time, prefill included.
+(`ru_maxrss`) is its own. Both sides get the same token ids (the chat template applied and
+tokenized once, by the same call), the same torch thread count, and the same dtype (float32 on
+the CPU, the model's bf16 on CUDA); both decode greedily for exactly `MAX_TOKENS` new tokens
+(EOS ignored). Both warm up on a prompt that shares no text with the timed ones, so nothing
+of the timed prompts is cached beforehand (our prefix cache stays on, as by default). The number
+reported is generated tokens per second of wall time, prefill included.
 """
 
 from __future__ import annotations
@@ -22,21 +25,28 @@ PROMPTS = [
     "Explain what a paged KV cache is in one paragraph.",
     "List three prime numbers.",
 ]
+WARMUP_PROMPT = "Warm-up: count from one to ten."
 
 
 def _prompts(n: int) -> list[str]:
     return [PROMPTS[i % len(PROMPTS)] + f" (request {i})" for i in range(n)]
 
 
+def _token_ids(tok, texts: list[str]) -> list[list[int]]:
+    """The chat-templated prompts as token ids, exactly as both sides consume them."""
+    chats = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+             for t in texts]
+    return [tok(c, add_special_tokens=False)["input_ids"] for c in chats]
+
+
 def _ours(batch: int, device: str) -> dict:
     import pagedattn
 
-    llm = pagedattn.LLM(device=device)
-    tok = llm.tokenizer
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-               for p in _prompts(batch)]
+    llm = pagedattn.LLM(device=device, dtype="float32" if device == "cpu" else "auto")
+    prompts = _token_ids(llm.tokenizer, _prompts(batch))
+    warmup = llm.tokenizer(WARMUP_PROMPT)["input_ids"]
+    llm.generate([warmup], pagedattn.SamplingParams(temperature=0.0, max_tokens=4))
     params = pagedattn.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    llm.generate(prompts[:1], pagedattn.SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -57,31 +67,37 @@ def _transformers(batch: int, device: str) -> dict:
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype).to(device).eval()
-    texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-             for p in _prompts(batch)]
-    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    ids = _token_ids(tok, _prompts(batch))
+    enc = tok.pad({"input_ids": ids}, return_tensors="pt").to(device)  # left padding, attention mask
+    warmup = tok(WARMUP_PROMPT, return_tensors="pt").to(device)
     kw = dict(max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=tok.pad_token_id)
     with torch.inference_mode():
-        model.generate(**{k: v[:1] for k, v in enc.items()}, max_new_tokens=4, do_sample=False,
-                       pad_token_id=tok.pad_token_id)  # warm-up
+        model.generate(**warmup, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
         start = time.perf_counter()
         out = model.generate(**enc, **kw)
         elapsed = time.perf_counter() - start
     return {"tokens": (out.shape[1] - enc["input_ids"].shape[1]) * batch, "seconds": elapsed}
 
 
-def _child(impl: str, batch: int, device: str) -> None:
+def _child(impl: str, batch: int, device: str, threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
     result = (_ours if impl == "pagedattn" else _transformers)(batch, device)
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["threads"] = torch.get_num_threads()
     print(json.dumps(result))
 
 
 def run_engine_benchmark(out_path: str | None, device: str = "cpu") -> int:
+    import torch
+
+    threads = torch.get_num_threads()  # torch's default here (the physical cores), for both sides
     rows = []
     for batch in BATCHES:
         for impl in ("pagedattn", "transformers"):
             proc = subprocess.run(
-                [sys.executable, "-m", "pagedattn.benchmarks.engine", impl, str(batch), device],
+                [sys.executable, "-m", "pagedattn.benchmarks.engine", impl, str(batch), device, str(threads)],
                 capture_output=True, text=True, check=False,
             )
             if proc.returncode != 0:
@@ -90,6 +106,7 @@ def run_engine_benchmark(out_path: str | None, device: str = "cpu") -> int:
             r = json.loads(proc.stdout.strip().splitlines()[-1])
             r.update(impl=impl, batch=batch, tokens_per_s=r["tokens"] / r["seconds"])
             rows.append(r)
+    print(f"{MAX_TOKENS} new tokens per request, greedy, {threads} torch threads on {device}")
     print(f"{'batch':>5} {'impl':<13} {'tokens/s':>9} {'peak RSS MiB':>13}")
     for r in rows:
         print(f"{r['batch']:>5} {r['impl']:<13} {r['tokens_per_s']:>9.1f} {r['peak_rss_mib']:>13.0f}")
@@ -104,4 +121,4 @@ def run_engine_benchmark(out_path: str | None, device: str = "cpu") -> int:
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    _child(sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))

@@ -25,6 +25,7 @@ from pagedattn.engine.sampling_params import SamplingParams
 from pagedattn.engine.scheduler import ScheduledChunk, SchedulerOutput
 from pagedattn.engine.sequence import SLIDING_FREED
 from pagedattn.layer import forward_context
+from pagedattn.models.layers import pack_linears_for_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,8 @@ class _Graph:
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded, backend: type[AttentionBackend], device: torch.device):
         self.model = loaded.model
+        if device.type == "cpu":
+            pack_linears_for_cpu(self.model)
         self.spec = loaded.spec
         self.backend = backend
         self.device = device

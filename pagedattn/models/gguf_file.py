@@ -75,6 +75,9 @@ def read_gguf(path) -> tuple[object, str, Iterator[tuple[str, torch.Tensor]]]:
 
     reader = GGUFReader(str(path))
     config = _gguf_config(reader)
+    # The metadata (the tokenizer's token lists: hundreds of MiB of small arrays) is no longer
+    # needed: free it before the model's weights are allocated.
+    reader.fields.clear()
     return config, GGUF_MODEL_TYPES[config.model_type], _gguf_weights(reader, config)
 
 
