@@ -37,7 +37,7 @@ def unavailable_reasons() -> list[str]:
 
 class TritonBackend(AttentionBackend):
     # Head sizes are padded to the next power of two inside the kernels.
-    capabilities = Capabilities(head_sizes=tuple(range(32, 257, 8)))
+    capabilities = Capabilities(head_sizes=tuple(range(16, 257, 8)))
 
     @staticmethod
     def get_name() -> str:

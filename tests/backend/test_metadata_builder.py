@@ -136,5 +136,6 @@ def test_sliding_window_trimming_keeps_results(backend, device, window, shape):
     sc.check(trimmed, sliding_window=window)
     sc.reset_cache()
     full = sc.run(sliding_window=window)
-    tol = tolerance_for(sc.dtype).atol / 5
+    # Same keys, other tile boundaries: equal up to one rounding of the output dtype.
+    tol = max(tolerance_for(sc.dtype).atol / 5, 2 * torch.finfo(sc.dtype).eps)
     torch.testing.assert_close(trimmed, full, atol=tol, rtol=tol)
