@@ -11,6 +11,7 @@ import math
 from collections.abc import Iterable, Mapping
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -38,9 +39,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden], same dtype."""
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        shape = (x.shape[-1],)
+        if x.dtype == torch.float32:  # the same math as below, one fused op
+            return F.rms_norm(x, shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), shape, eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(config, head_size: int) -> torch.Tensor:
@@ -100,9 +102,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos, sin: [T, 1, D/2] -> [T, H, D], rotating (x[:D/2], x[D/2:]) pairs."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """x: [T, H, D] (any strides but the last); cos, sin: [T, 1, D/2] -> a new [T, H, D],
+    rotating (x[:D/2], x[D/2:]) pairs: (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((torch.addcmul(x1 * cos, x2, sin, value=-1), torch.addcmul(x2 * cos, x1, sin)), dim=-1)
 
 
 class StackedLinear(nn.Linear):

@@ -64,10 +64,10 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden]; cos, sin: [T, 1, D/2] -> [T, hidden]."""
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_size), cos, sin)  # [T, Hq, D]
-        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_size), cos, sin)  # [T, Hkv, D]
-        out = self.attn(q.reshape(num_tokens, self.q_size), k.reshape(num_tokens, self.kv_size), v)
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_size)
+        q, k = apply_rope(qk, cos, sin).flatten(1).split((self.q_size, self.kv_size), dim=-1)  # one rope for both
+        out = self.attn(q, k, qkv[:, self.q_size + self.kv_size :])
         return self.o_proj(out)
 
 
@@ -79,7 +79,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))  # in place: one [T, I] buffer fewer
 
 
 class LlamaDecoderLayer(nn.Module):
