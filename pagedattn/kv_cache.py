@@ -30,14 +30,20 @@ class StorePlan:
     """Where `store_kv` writes each token of a step. It depends on the slot mapping only, so a
     step can compute it once and every layer reuse it."""
 
-    rows: torch.Tensor  # int64 [T] source token of each write; a padding row repeats a real row
     blocks: torch.Tensor  # int64 [T]
     offsets: torch.Tensor  # int64 [T]
-    any_real: torch.Tensor  # bool []; False when every slot is padding (each write then keeps the slot)
+    rows: torch.Tensor | None  # int64 [T] source token of each write (a padding row repeats a real
+    # row); None: no slot is padding
+    any_real: torch.Tensor | None  # bool []; False when every slot is padding (writes keep the slots)
 
 
-def plan_store(slot_mapping: torch.Tensor, block_size: int) -> StorePlan:
-    """The `StorePlan` of `slot_mapping` (int64 [T], -1 = padding), with no host synchronisation."""
+def plan_store(slot_mapping: torch.Tensor, block_size: int, all_real: bool = False) -> StorePlan:
+    """The `StorePlan` of `slot_mapping` (int64 [T], -1 = padding), with no host synchronisation.
+
+    `all_real`: the caller knows (on the host) that no slot is padding; writes then need no guard.
+    """
+    if all_real:
+        return StorePlan(slot_mapping // block_size, slot_mapping % block_size, None, None)
     valid = slot_mapping >= 0
     # Padding rows rewrite a real row (same slot, same value), or, with no real row, the
     # current content of slot 0: duplicate writes of equal values are harmless and need no
@@ -45,7 +51,7 @@ def plan_store(slot_mapping: torch.Tensor, block_size: int) -> StorePlan:
     rows = torch.arange(slot_mapping.shape[0], device=slot_mapping.device)
     rows = torch.where(valid, rows, valid.to(torch.int8).argmax())
     slots = slot_mapping[rows].clamp_(min=0)
-    return StorePlan(rows, slots // block_size, slots % block_size, valid.any())
+    return StorePlan(slots // block_size, slots % block_size, rows, valid.any())
 
 
 def store_kv(
@@ -74,8 +80,11 @@ def store_kv(
     if plan is None:
         plan = plan_store(slot_mapping, k_cache.shape[1])
     for src, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
-        new = _raw(quantize(src.index_select(0, plan.rows), scale, cache.dtype))
         raw = _raw(cache)
+        if plan.rows is None:
+            raw.index_put_((plan.blocks, plan.offsets), _raw(quantize(src, scale, cache.dtype)))
+            continue
+        new = _raw(quantize(src.index_select(0, plan.rows), scale, cache.dtype))
         new = torch.where(plan.any_real, new, raw[plan.blocks, plan.offsets])
         raw.index_put_((plan.blocks, plan.offsets), new)
 

@@ -10,6 +10,12 @@ from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.types import PAD_SLOT_ID, ScheduledSeq
 
 
+SLOTS_ALL_REAL = "slots_all_real"
+"""Key of `md._views` that `build` sets for eager metadata (no `cuda_graph_pad_to`), whose
+`slot_mapping` has no padding (-1): a host fact that lets a cache write skip its padding guard.
+`advance_step` clears `_views`, dropping it; graph metadata never has it (replays may pad)."""
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -99,6 +105,8 @@ class MetadataBuilder:
             use_cuda_graph=cuda_graph_pad_to is not None,
         )
         md._views["rebased"] = (i32[4], i32[5])
+        if cuda_graph_pad_to is None:
+            md._views[SLOTS_ALL_REAL] = True
         if enc:
             md.num_encoder_tokens = enc["num_tokens"]
             md.encoder_seq_lens = enc["lens"]

@@ -5,9 +5,10 @@ form a padded `[B, Lq]` grid, its keys/values `[B, Lk]` are gathered (through th
 or from the step's own tokens) and read in float32, and one masked float32 softmax covers the
 batch (`scaled_dot_product_attention`, or explicit scores with a logit soft cap).
 
-What depends only on the step (gather indices, the additive mask, the rows of the output) is a
-`_Plan`, built by the first layer that needs it and cached on the metadata, which lives one step
-(`advance_step` drops it); a layer then runs a handful of ops. Metadata of a CUDA graph is never
+What depends only on the step (gather indices, the additive mask, the rows of the output, the
+buffers that keys/values are gathered into) is a `_Plan`, built by the first layer that needs it
+and cached on the metadata, which lives one step (`advance_step` drops it); a layer then runs a
+handful of ops: one gather of whole K and V blocks, one SDPA, one copy into `out`. Metadata of a CUDA graph is never
 cached on: its buffers change between replays. Lengths come from device tensors and sizes from
 host ints, so nothing synchronises and decode steps capture in CUDA graphs.
 """
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedattn.attention.backend import AttentionBackend, AttentionImpl, Capabilities
+from pagedattn.attention.builder import SLOTS_ALL_REAL
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.types import AttentionType
 from pagedattn.kv_cache import _raw, dequantize, plan_store, store_kv
@@ -62,7 +64,8 @@ class _Plan:
     lq: int
     lk: int
     q_rows: torch.Tensor | None  # int64 [B*Lq] query row of each grid cell; None: decode (Lq=1, row b)
-    kv_rows: torch.Tensor  # int64 [B*Lk] cache slot (paged) or K/V row (dense) of each key
+    kv_rows: torch.Tensor  # int64: paged, [2*B*n] the K then V blocks in the cache viewed as
+    # [2 * num_blocks, ...]; dense, [B*Lk] the K/V row of each key
     bias: torch.Tensor  # float32 [B, 1, Lq, Lk]: 0 where the query sees the key, -inf elsewhere
     rel_pos: torch.Tensor | None  # float32 [B, 1, Lq, Lk] key_pos - query_pos (ALiBi only)
     out_rows: torch.Tensor | None  # int64 [Tp] grid cell of each query token; None: decode
@@ -97,7 +100,8 @@ class TorchImpl(AttentionImpl):
         cached = kv_cache.numel() > 0
         if kind is AttentionType.DECODER:
             if cached:
-                plan = _cached(md, f"store:{kv_cache.shape[2]}", lambda: plan_store(md.slot_mapping, kv_cache.shape[2]))
+                bs, all_real = kv_cache.shape[2], md._views.get(SLOTS_ALL_REAL, False)
+                plan = _cached(md, f"store:{bs}", lambda: plan_store(md.slot_mapping, bs, all_real))
                 store_kv(k, v, kv_cache[0], kv_cache[1], md.slot_mapping, k_scale, v_scale, plan)
             self._decoder(q, k, v, kv_cache if cached else None, md, k_scale, v_scale, out)
             return
@@ -129,9 +133,8 @@ class TorchImpl(AttentionImpl):
             if part is None:
                 continue
             if kv_cache is not None:
-                src = _Source(
-                    "query/cross", True, part.encoder_seq_lens_tensor, part.cross_block_tables, None, part.max_encoder_seq_len
-                )
+                lens, tables = part.encoder_seq_lens_tensor, part.cross_block_tables
+                src = _Source("query/cross", True, lens, tables, None, part.max_encoder_seq_len)
                 kv = (kv_cache, k_scale, v_scale)
             elif part.num_prefills and k is not None:
                 src = _Source("query/encoder", False, None, None, part.encoder_seq_start_loc, part.max_encoder_seq_len)
@@ -149,13 +152,15 @@ class TorchImpl(AttentionImpl):
         t = q.shape[0]
         if t == 0:
             return
-        block_size = kv[0].shape[2] if src.paged else 0
-        num_kv_rows = 0 if src.paged else kv[0].shape[0]
+        # Rows of what keys are gathered from: the pool's blocks (paged), or the step's K/V tokens.
+        block_size, num_kv_rows = (kv[0].shape[2], kv[0].shape[1]) if src.paged else (0, kv[0].shape[0])
         key = (
             f"torch:{src.name}:{block_size}:{num_kv_rows}:{t}:{max_query_len}:{causal}:"
             f"{self.sliding_window}:{self.alibi_slopes is not None}"
         )
-        plan = _cached(md, key, lambda: self._plan(query_start_loc, max_query_len, t, src, block_size, num_kv_rows, causal))
+        plan = _cached(
+            md, key, lambda: self._plan(query_start_loc, max_query_len, t, src, block_size, num_kv_rows, causal)
+        )
         if plan.lk == 0:  # no sequence has a key (only graph padding): rows that see no key are 0
             out.zero_()
             return
@@ -176,12 +181,12 @@ class TorchImpl(AttentionImpl):
             o = F.scaled_dot_product_attention(
                 qf.view(b, hkv, g, d), keys, values, attn_mask=bias.view(b, -1, g if bias.shape[1] > 1 else 1, plan.lk),
                 scale=self.scale,
-            ).view(b, hq, 1, d)
+            ).reshape(b, hq, 1, d)  # (SDPA kernels may return a transposed layout)
         else:
             o = F.scaled_dot_product_attention(qf, keys, values, attn_mask=bias, scale=self.scale, enable_gqa=g > 1)
         o = o.nan_to_num_(0.0)  # rows of padding, or that see no key, are 0 (whatever the SDPA kernel)
         if plan.out_rows is None:
-            out.copy_(o.view(b, hq, d))
+            out.copy_(o.reshape(b, hq, d))
         else:
             out.copy_(o.transpose(1, 2).reshape(b * lq, hq, d).index_select(0, plan.out_rows))
 
@@ -203,16 +208,15 @@ class TorchImpl(AttentionImpl):
         b = qsl.shape[0] - 1
         q_lens = qsl[1:] - qsl[:-1]  # [B]
         lq = max_query_len
-        if src.paged:
+        if src.paged:  # whole blocks: fewer, larger copies than slots
             n = min(-(-src.max_len // block_size), src.tables.shape[1])
-            offsets = torch.arange(block_size, device=dev)
-            kv_rows = (src.tables[:, :n].long()[:, :, None] * block_size + offsets).flatten(1)  # [B, Lk] slots
-            kv_lens = src.lens.long()
+            blocks = src.tables[:, :n].long().flatten()  # [B*n]
+            kv_rows = torch.cat([blocks, blocks + num_kv_rows])  # K blocks, then V blocks
+            kv_lens, lk = src.lens.long(), n * block_size
         else:
             loc = src.start_loc.long()
-            kv_lens = loc[1:] - loc[:-1]
-            kv_rows = (loc[:-1, None] + torch.arange(src.max_len, device=dev)).clamp_(max=max(num_kv_rows - 1, 0))
-        lk = kv_rows.shape[1]
+            kv_lens, lk = loc[1:] - loc[:-1], src.max_len
+            kv_rows = (loc[:-1, None] + torch.arange(lk, device=dev)).clamp_(max=max(num_kv_rows - 1, 0)).flatten()
         q_pos = (kv_lens - q_lens)[:, None] + torch.arange(lq, device=dev)  # [B, Lq] bottom-right aligned
         k_pos = torch.arange(lk, device=dev)  # [Lk]
         visible = (k_pos < kv_lens[:, None])[:, None, :]  # [B, 1, Lk]
@@ -231,7 +235,7 @@ class TorchImpl(AttentionImpl):
             tok = torch.arange(t, device=dev)
             seq = torch.searchsorted(qsl[1:], tok, right=True)  # [Tp] sequence of each row
             out_rows = seq * lq + tok - qsl[seq]
-        return _Plan(b, lq, lk, q_rows, kv_rows.flatten(), bias, rel_pos, out_rows)
+        return _Plan(b, lq, lk, q_rows, kv_rows, bias, rel_pos, out_rows)
 
     def _slopes(self, device: torch.device) -> torch.Tensor:
         if device not in self._slopes_on:
@@ -254,15 +258,14 @@ def _gather(plan: _Plan, src: _Source, kv) -> tuple[torch.Tensor, torch.Tensor]:
 
     Rows are gathered into the plan's buffers: a fresh multi-MiB tensor per layer would cost
     page faults on the CPU."""
+    b, lk = plan.b, plan.lk
     if src.paged:
         kv_cache, k_scale, v_scale = kv
-        pairs = ((_raw(kv_cache[0]).flatten(0, 1), k_scale), (_raw(kv_cache[1]).flatten(0, 1), v_scale))
+        pool = _raw(kv_cache).flatten(0, 1).flatten(1)  # [2 * num_blocks, block_size * Hkv * D]: K blocks, V blocks
+        rows = torch.index_select(pool, 0, plan.kv_rows, out=plan.buffer("kv", pool, plan.kv_rows.shape[0]))
+        rows = rows.view(kv_cache.dtype).view(2, b, lk, *kv_cache.shape[3:])  # [2, B, Lk, Hkv, D]
+        k, v = dequantize(rows[0], k_scale), dequantize(rows[1], v_scale)
     else:
-        pairs = ((kv[0], None), (kv[1], None))
-    out = []
-    for i, (table, scale) in enumerate(pairs):  # table: [slots or tokens, Hkv, D]
-        rows = torch.index_select(table, 0, plan.kv_rows, out=plan.buffer(f"kv{i}", table, plan.kv_rows.shape[0]))
-        if src.paged:
-            rows = dequantize(rows.view(kv[0].dtype), scale)
-        out.append(rows.float().view(plan.b, plan.lk, *rows.shape[1:]).transpose(1, 2))
-    return out[0], out[1]
+        k, v = (torch.index_select(x, 0, plan.kv_rows, out=plan.buffer(f"kv{i}", x, plan.kv_rows.shape[0]))
+                .float().view(b, lk, *x.shape[1:]) for i, x in enumerate(kv))
+    return k.transpose(1, 2), v.transpose(1, 2)

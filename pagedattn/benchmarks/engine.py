@@ -4,9 +4,9 @@ Each (implementation, batch size) runs in a fresh subprocess, so its peak reside
 (`ru_maxrss`) is its own. Both sides get the same token ids (the chat template applied and
 tokenized once, by the same call), the same torch thread count, and the same dtype (float32 on
 the CPU, the model's bf16 on CUDA); both decode greedily for exactly `MAX_TOKENS` new tokens
-(EOS ignored). Both warm up on a prompt that shares no text with the timed ones, so nothing
-of the timed prompts is cached beforehand (our prefix cache stays on, as by default). The number
-reported is generated tokens per second of wall time, prefill included.
+(EOS ignored). Both warm up once on a prompt unlike the timed ones, then time `REPEATS` runs
+and report the median: generated tokens per second of wall time, prefill included. Our prefix
+cache is off, so a repeated run recomputes its prompts as transformers does.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import sys
 import time
 
 MAX_TOKENS = 64
+REPEATS = 3
 BATCHES = (1, 16)
 PROMPTS = [
     "What is the capital of France?",
@@ -42,15 +43,17 @@ def _token_ids(tok, texts: list[str]) -> list[list[int]]:
 def _ours(batch: int, device: str) -> dict:
     import pagedattn
 
-    llm = pagedattn.LLM(device=device, dtype="float32" if device == "cpu" else "auto")
+    llm = pagedattn.LLM(device=device, dtype="float32" if device == "cpu" else "auto", enable_prefix_caching=False)
     prompts = _token_ids(llm.tokenizer, _prompts(batch))
     warmup = llm.tokenizer(WARMUP_PROMPT)["input_ids"]
     llm.generate([warmup], pagedattn.SamplingParams(temperature=0.0, max_tokens=4))
     params = pagedattn.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    return {"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": elapsed}
+    runs = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        runs.append(time.perf_counter() - start)
+    return {"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": _median(runs), "runs": runs}
 
 
 def _transformers(batch: int, device: str) -> dict:
@@ -71,12 +74,18 @@ def _transformers(batch: int, device: str) -> dict:
     enc = tok.pad({"input_ids": ids}, return_tensors="pt").to(device)  # left padding, attention mask
     warmup = tok(WARMUP_PROMPT, return_tensors="pt").to(device)
     kw = dict(max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=tok.pad_token_id)
+    runs = []
     with torch.inference_mode():
         model.generate(**warmup, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
-        start = time.perf_counter()
-        out = model.generate(**enc, **kw)
-        elapsed = time.perf_counter() - start
-    return {"tokens": (out.shape[1] - enc["input_ids"].shape[1]) * batch, "seconds": elapsed}
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            out = model.generate(**enc, **kw)
+            runs.append(time.perf_counter() - start)
+    return {"tokens": (out.shape[1] - enc["input_ids"].shape[1]) * batch, "seconds": _median(runs), "runs": runs}
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
 
 
 def _child(impl: str, batch: int, device: str, threads: int) -> None:
@@ -106,7 +115,8 @@ def run_engine_benchmark(out_path: str | None, device: str = "cpu") -> int:
             r = json.loads(proc.stdout.strip().splitlines()[-1])
             r.update(impl=impl, batch=batch, tokens_per_s=r["tokens"] / r["seconds"])
             rows.append(r)
-    print(f"{MAX_TOKENS} new tokens per request, greedy, {threads} torch threads on {device}")
+    print(f"{MAX_TOKENS} new tokens per request, greedy, {threads} torch threads on {device}, "
+          f"median of {REPEATS} runs")
     print(f"{'batch':>5} {'impl':<13} {'tokens/s':>9} {'peak RSS MiB':>13}")
     for r in rows:
         print(f"{r['batch']:>5} {r['impl']:<13} {r['tokens_per_s']:>9.1f} {r['peak_rss_mib']:>13.0f}")

@@ -2,6 +2,7 @@
 
 The KV pool is allocated once: sized from free memory after a profiling run on CUDA
 (`gpu_memory_utilization`), from a fixed budget on the CPU, or fixed by `num_kv_blocks`.
+On the CPU the model's float32 linears are swapped, in place, for oneDNN-prepacked ones.
 Decode-only steps on CUDA replay graphs captured for batch sizes 1, 2, 4, 8, 16, 32, ...
 (steps of 16) up to `max_num_seqs`, through the backend's `AttentionState`.
 """
