@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from tiny_models import VOCAB, byte_tokenizer
 
-VOCAB = 260  # 256 byte tokens + <s>, </s> and two spare ids
 TINY = dict(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -31,18 +31,6 @@ TINY = dict(
 )
 
 
-def _byte_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {ch: i for i, ch in enumerate(alphabet)} | {"<s>": 256, "</s>": 257}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-
-
 @dataclass
 class Tiny:
     folder: str
@@ -52,7 +40,7 @@ class Tiny:
 
 def _save(model, folder) -> None:
     model.save_pretrained(folder, safe_serialization=True)
-    _byte_tokenizer().save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
 
 
 @pytest.fixture(scope="session")

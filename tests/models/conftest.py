@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from tiny_models import VOCAB, byte_tokenizer
 
-VOCAB = 260  # 256 byte tokens + <s>, </s> and two spare ids
 TINY = dict(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -45,18 +45,6 @@ FAMILIES = {
     "gemma2_gguf": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
                                          attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
 }
-
-
-def _byte_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {ch: i for i, ch in enumerate(alphabet)} | {"<s>": 256, "</s>": 257}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
 
 
 @torch.no_grad()
@@ -94,7 +82,7 @@ def tiny_checkpoint(tmp_path_factory):
             _randomise(model, norm_base=0.0 if name.startswith("gemma2") else 1.0)
             folder = tmp_path_factory.mktemp(name)
             model.save_pretrained(folder, safe_serialization=True)
-            _byte_tokenizer().save_pretrained(folder)
+            byte_tokenizer().save_pretrained(folder)
             built[name] = TinyCheckpoint(name, str(folder), model.eval())
         return built[name]
 
