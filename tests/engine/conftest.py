@@ -15,20 +15,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from tiny_models import VOCAB, byte_tokenizer
+from tiny_models import TINY_CONFIG, VOCAB, byte_tokenizer
 
-TINY = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=96,
-    bos_token_id=256,
-    eos_token_id=257,
-    tie_word_embeddings=False,
-)
+TINY = dict(TINY_CONFIG, max_position_embeddings=96, tie_word_embeddings=False)
 
 
 @dataclass
