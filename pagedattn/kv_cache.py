@@ -13,11 +13,19 @@ from pagedattn.attention.types import FP8_DTYPES
 
 
 def quantize(x: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`x` in the cache's dtype: FP8 caches hold `x / scale` saturated to the finite range."""
+    """`x` in the cache's dtype: FP8 caches hold `x / scale` saturated to the finite range.
+
+    The division is IEEE float32 division by the float32 scale on every device and path, so
+    all backends store the same bits: a python float is made a device tensor first, because
+    PyTorch divides a CUDA tensor by a python number as a multiplication by its reciprocal,
+    which rounds differently in the last bit and can flip an FP8 rounding.
+    """
     if dtype not in FP8_DTYPES:
         return x.to(dtype)
+    if not isinstance(scale, torch.Tensor):
+        scale = torch.full((), float(scale), dtype=torch.float32, device=x.device)
     fmax = torch.finfo(dtype).max
-    return (x.float() / scale).clamp_(-fmax, fmax).to(dtype)
+    return (x.float() / scale.float()).clamp_(-fmax, fmax).to(dtype)
 
 
 def dequantize(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:

@@ -74,11 +74,13 @@ def tolerance_for(dtype: torch.dtype, fp8_cache: bool = False) -> Tolerance:
 def fp8_quantize(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype) -> torch.Tensor:
     """What an FP8 cache stores for `x`: saturate(x / scale) rounded to `fp8_dtype`.
 
-    The division happens in float32, as a kernel would do it; values beyond the format's
-    largest finite number saturate instead of turning into inf/NaN.
+    The division is IEEE float32 division by the float32 scale (API: every backend stores the
+    same bits); values beyond the format's largest finite number saturate instead of turning
+    into inf/NaN.
     """
     fmax = torch.finfo(fp8_dtype).max
-    return (x.float() / float(scale)).clamp(-fmax, fmax).to(fp8_dtype)
+    divisor = torch.tensor(float(scale), dtype=torch.float32, device=x.device)  # true division
+    return (x.float() / divisor).clamp(-fmax, fmax).to(fp8_dtype)
 
 
 def fp8_dequantize(stored: torch.Tensor, scale: float) -> torch.Tensor:

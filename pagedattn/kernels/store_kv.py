@@ -60,8 +60,9 @@ def _store_kv_kernel(
     v = tl.load(value_ptr + t64 * stride_value_t + h64 * stride_value_h
                 + d64 * stride_value_d, mask=mask)
     if FP8:
-        k = tl.clamp(k.to(tl.float32) / tl.load(k_scale_ptr), -FP8_MAX, FP8_MAX)
-        v = tl.clamp(v.to(tl.float32) / tl.load(v_scale_ptr), -FP8_MAX, FP8_MAX)
+        # IEEE division (div_rn), as the PyTorch store: `/` compiles to an approximate divide
+        k = tl.clamp(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), -FP8_MAX, FP8_MAX)
+        v = tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -FP8_MAX, FP8_MAX)
         if INTERPRETED:
             k = _round_to_fp8_grid(k, FP8_MANTISSA_BITS, FP8_MIN_EXP)
             v = _round_to_fp8_grid(v, FP8_MANTISSA_BITS, FP8_MIN_EXP)

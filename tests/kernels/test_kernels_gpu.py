@@ -190,3 +190,29 @@ def test_cuda_graph_replay_matches_eager():
     batch.seq_len_list = batch.seq_lens.tolist()
     ref, _ = reference_paged(batch, scale=0.1, k_scale=0.25, v_scale=3.0)
     assert rel_l2(replayed, ref) <= 1e-2
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_fp8_stores_are_bit_identical_everywhere(cache_dtype):
+    """The Triton store, the PyTorch store (float or tensor scale) and a CPU division all keep
+    the same FP8 bits: x / scale is IEEE float32 division on every path (an approximate divide,
+    or CUDA's reciprocal multiply for python numbers, flips some FP8 roundings)."""
+    from pagedattn import kv_cache
+
+    g = torch.Generator().manual_seed(0)
+    t, h, d, scale = 1 << 14, 4, 64, 0.0371
+    key = (torch.randn(t, h, d, generator=g) * 3).to(torch.bfloat16)
+    fmax = torch.finfo(cache_dtype).max
+    expect = (key.float() / torch.tensor(scale)).clamp(-fmax, fmax).to(cache_dtype).view(torch.uint8)
+    slots = torch.arange(t, device=DEVICE)
+    k, v = key.to(DEVICE), key.to(DEVICE)
+    stores = {"triton": lambda kc, vc, s: store_kv(k, v, kc, vc, slots, s, s),
+              "torch": lambda kc, vc, s: kv_cache.store_kv(k, v, kc, vc, slots, s, s)}
+    for name, store in stores.items():
+        for s in (scale, torch.tensor(scale, device=DEVICE)):
+            kc = torch.zeros(t // 16, 16, h, d, dtype=cache_dtype, device=DEVICE)
+            vc = torch.zeros_like(kc)
+            store(kc, vc, s)
+            got = kc.view(torch.uint8).reshape(t, h, d).cpu()
+            assert torch.equal(got, expect), (
+                f"{name} store with a {type(s).__name__} scale: {int((got != expect).sum())} FP8 values differ")
