@@ -78,7 +78,8 @@ class Attention(nn.Module):
 
     `layer_idx` selects `kv_caches[layer_idx]` of the forward context; `backend` is a registry
     name ("auto" when None). The other options are those of the backend's impl (API.md section 3);
-    `k_scale`/`v_scale` are the layer's FP8 cache scales.
+    `k_scale`/`v_scale` are the layer's FP8 cache scales; `dtype`, the model dtype, lets backends
+    that plan ahead (FlashInfer) plan this layer from its first step (`AttentionImpl.set_query_dtype`).
     """
 
     def __init__(
@@ -97,6 +98,7 @@ class Attention(nn.Module):
         attn_type: AttentionType = AttentionType.DECODER,
         k_scale: float | torch.Tensor = 1.0,
         v_scale: float | torch.Tensor = 1.0,
+        dtype: torch.dtype | None = None,
     ):
         super().__init__()
         self.backend = get_backend(backend or "auto")
@@ -104,6 +106,8 @@ class Attention(nn.Module):
             num_heads, head_size, scale, num_kv_heads, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
             kv_cache_dtype=kv_cache_dtype, logits_soft_cap=logits_soft_cap, attn_type=attn_type,
         )
+        if dtype is not None:
+            self.impl.set_query_dtype(dtype)
         self.layer_idx = layer_idx
         self.k_scale, self.v_scale = k_scale, v_scale
         self._id = next(_ids)

@@ -338,9 +338,11 @@ class Scenario:
         if alibi_slopes is not None:
             shown["alibi"] = True
         with refusal_guard(self.backend, f"{shown}, head_size={self.head_size}"):
-            return self.backend.get_impl_cls()(
+            impl = self.backend.get_impl_cls()(
                 num_heads or self.num_heads, self.head_size,
                 self.default_scale if scale is None else scale, self.num_kv_heads, **opts)
+        impl.set_query_dtype(self.dtype)
+        return impl
 
     def forward(self, impl, md, *, scales_as_tensors: bool = False, output=None,
                 kv_cache=None, query=None, key=None, value=None) -> torch.Tensor:
@@ -359,8 +361,9 @@ class Scenario:
     def run(self, *, builder_window: int | None = None, scales_as_tensors: bool = False,
             **impl_opts) -> torch.Tensor:
         """One step with a fresh builder and impl; writes into self.kv_cache."""
+        impl = self.impl(**impl_opts)  # first: a backend that plans ahead plans it in build
         md = self.build(builder_window=builder_window)
-        return self.forward(self.impl(**impl_opts), md, scales_as_tensors=scales_as_tensors)
+        return self.forward(impl, md, scales_as_tensors=scales_as_tensors)
 
     def reset_cache(self) -> None:
         self.kv_cache.copy_(self.initial_cache)

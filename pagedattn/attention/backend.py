@@ -159,6 +159,17 @@ class AttentionImpl:
         if refusals:
             raise NotImplementedError(f"the {name!r} backend does not support: {', '.join(refusals)}")
 
+    def set_query_dtype(self, dtype: torch.dtype) -> None:
+        """Declare the dtype of the queries `forward` will get (the model's dtype).
+
+        Optional. Backends that plan ahead (FlashInfer plans its kernels in `build`) plan this
+        layer from the next step on; a layer never told learns it on its first forward. Refuses
+        a dtype the backend cannot run, as `forward` would.
+        """
+        dtypes = self.backend.capabilities.dtypes
+        if dtype not in dtypes:
+            raise TypeError(f"the {self.backend.get_name()!r} backend expects a query dtype in {list(dtypes)}, got {dtype}")
+
     # ------------------------------------------------------------------ forward
 
     def forward(

@@ -4,23 +4,25 @@
 Plan once per step, run per layer:
 - Every impl registers itself on `FlashInferBackend` at construction; its `LayerSpec` (scale,
   window, soft cap, head counts, dtypes: what FlashInfer fixes at plan time) is known once the
-  layer has seen its query dtype (the first forward). Gemma 2's alternating windows are simply
-  two specs.
+  layer knows its query dtype: declared by `set_query_dtype` (the model loader and
+  `pagedattn.Attention(dtype=)` do), else learnt on its first forward. Gemma 2's alternating
+  windows are simply two specs.
 - `FlashInferMetadataBuilder.build` computes each part's pages (`PagedKV`) and plans one wrapper
   per (part, spec) for every live spec: the prefill view on `BatchPrefillWithPagedKVCacheWrapper`
   (causal: bottom-right aligned, so chunked prefill and prefix-cache hits take the same path),
   the decode view on `BatchDecodeWithPagedKVCacheWrapper` (tensor cores for grouped heads).
   Graph-padded metadata is planned by `FlashInferState.begin_forward` instead.
 - `FlashInferImpl._forward` stores K/V, picks its planned wrapper and runs it: no planning, no
-  host sync, no allocation. Fallback, documented: a spec met for the first time (the layer's
-  first step, or an impl built after the metadata) is planned right there, outside CUDA-graph
-  capture only; the builder plans it from then on.
+  host sync, no allocation. Fallback, documented: a spec met for the first time (a layer never
+  told its dtype, on its first step, or an impl built after the metadata) is planned right
+  there, outside CUDA-graph capture only; the builder plans it from then on.
 
 FP8 caches take real scales. FlashInfer's `run(k_scale=, v_scale=)` wants Python floats
-(k_scale is folded into the host-side sm_scale). Float scales are passed as such; 0-dim device
-tensors are applied on the device instead: q * k_scale is written into `out` and run from there
-(each kernel tile reads its q rows before writing the same rows of out, split-KV partials go to
-the workspace), and out *= v_scale afterwards.
+(k_scale is folded into the host-side sm_scale, exactly, in float32). A 0-dim tensor scale is
+read to the host once per layer, and again only after an in-place change (its version counter
+moves), so steps do not synchronise. A CUDA graph keeps the value it was captured with. Only a
+tensor first met inside a capture is applied on the device: q * k_scale written into `out` and
+run from there (rounding q * k_scale to the model dtype costs some precision), out *= v_scale.
 
 Refused at construction: ALiBi (FlashInfer's ALIBI mode uses its own fixed slopes, `run()`
 takes no per-head slopes), float32 (FlashInfer compiles no fp32 kernels), head sizes FlashInfer
@@ -357,6 +359,7 @@ class FlashInferImpl(AttentionImpl):
         super().__init__(*args, **kwargs)
         self.q_dtypes: set[torch.dtype] = set()  # query dtypes seen; a step plans each
         self._specs: dict[torch.dtype, LayerSpec] = {}
+        self._scales: list[tuple | None] = [None, None]  # (tensor, version, float) of k_scale, v_scale
         FlashInferBackend.register_layer(self)
 
     def _check_capabilities(self, caps: Capabilities) -> None:
@@ -365,6 +368,11 @@ class FlashInferImpl(AttentionImpl):
                 "the 'flashinfer' backend does not support alibi_slopes: FlashInfer 0.7's batch wrappers "
                 "apply their own fixed slopes (pos_encoding_mode='ALIBI') and take no per-head slopes")
         super()._check_capabilities(caps)
+
+    def set_query_dtype(self, dtype: torch.dtype) -> None:
+        """From the next `build` on, every step plans this layer for `dtype` queries."""
+        super().set_query_dtype(dtype)
+        self.q_dtypes.add(dtype)
 
     def spec(self, q_dtype: torch.dtype) -> LayerSpec:
         if q_dtype not in self._specs:
@@ -406,22 +414,37 @@ class FlashInferImpl(AttentionImpl):
             rows = slice(None, p) if part.num_prefills else slice(p, None)
             self._run_paged(_wrapper(part, role, spec), q[rows], kv_cache, out[rows], k_scale, v_scale)
 
-    @staticmethod
-    def _run_paged(wrapper, q, kv_cache, out, k_scale, v_scale) -> None:
+    def _run_paged(self, wrapper, q, kv_cache, out, k_scale, v_scale) -> None:
         if kv_cache.dtype not in FP8_DTYPES:
             wrapper.run(q, kv_cache, out=out)
             return
+        ks, vs = self._host_scale(0, k_scale), self._host_scale(1, v_scale)
         scales = {}
-        if isinstance(k_scale, torch.Tensor):
-            torch.mul(q, k_scale, out=out)  # s = sm_scale * (q * k_scale) . k_stored, on the device
+        if ks is None:  # in a capture, a scale tensor never read: apply it on the device
+            torch.mul(q, k_scale, out=out)  # s = sm_scale * (q * k_scale) . k_stored
             q = out
         else:
-            scales["k_scale"] = float(k_scale)
-        if not isinstance(v_scale, torch.Tensor):
-            scales["v_scale"] = float(v_scale)
+            scales["k_scale"] = ks
+        if vs is not None:
+            scales["v_scale"] = vs
         wrapper.run(q, kv_cache, out=out, **scales)
-        if isinstance(v_scale, torch.Tensor):
+        if vs is None:
             out.mul_(v_scale)
+
+    def _host_scale(self, which: int, scale) -> float | None:
+        """`scale` as a Python float. A tensor is read once (one sync) and again only after an
+        in-place change (its version counter moved); None when it must be read during a CUDA
+        graph capture, where reading is not allowed."""
+        if not isinstance(scale, torch.Tensor):
+            return float(scale)
+        cached = self._scales[which]
+        if cached is not None and cached[0] is scale and cached[1] == scale._version:
+            return cached[2]
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        value = float(scale)
+        self._scales[which] = (scale, scale._version, value)
+        return value
 
 
 def _wrapper(part: FlashInferMetadata, role: Role, spec: LayerSpec):
