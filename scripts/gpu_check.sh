@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the backend suites on CUDA, kernel GPU tests, CUDA graphs and
-# the kernel benchmark. Logs go to $OUT (or ./gpu_out). Usage:
+# the kernel benchmark. $OUT (or ./gpu_out) gets summary.txt and logs.tgz (every log, refreshed
+# after each suite: the machine returns at most 8 files). Usage:
 #   bash scripts/gpu_check.sh [suite ...]      suites: torch triton flashinfer kernels bench engine
+#
+# FlashInfer's kernels (scripts/fi_jit.py): AOT modules carried in .fi-aot are installed first; fi-record
+# (the modules the flashinfer suite needs), fi-build (all of them at once, until FI_BUILD_UNTIL
+# seconds into the call), fi-pack (the new ones to $OUT, to carry next time in .fi-aot).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
+LOGS=${LOGS:-/tmp/pagedattn-gpu-logs}
+mkdir -p "$OUT" "$LOGS"
 [ -f .peers/activate.sh ] && source .peers/activate.sh
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# outside the repository: a warm machine keeps it between calls even when .peers is carried anew
+export FLASHINFER_WORKSPACE_BASE=${FI_CACHE:-/tmp/pagedattn-fi-cache}
+export PYTHONPATH="$PWD:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 suites=${*:-torch triton kernels bench}
 summary="$OUT/summary.txt"
 : > "$summary"
@@ -14,28 +22,39 @@ summary="$OUT/summary.txt"
 run() {  # name, time limit (s), command...
   local name=$1 limit=$2; shift 2
   local start=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout -s INT -k 30 "$limit" "$@" > "$LOGS/$name.log" 2>&1  # INT: pytest still reports
   local rc=$?
-  echo "$name rc=$rc $((SECONDS - start))s: $(grep -E '^(=+ )?[0-9]+ (passed|failed)|passed|failed|error' "$OUT/$name.log" | tail -1)" | tee -a "$summary"
+  echo "$name rc=$rc $((SECONDS - start))s: $(grep -E '^(=+ )?[0-9]+ (passed|failed)|passed|failed|error|fi_jit' "$LOGS/$name.log" | tail -1)" | tee -a "$summary"
+  tar czf "$OUT/logs.tgz" -C "$LOGS" .
 }
 
-python -m pagedattn.cli info > "$OUT/info.log" 2>&1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$OUT/info.log"
+ls .fi-aot/fi-aot-*.tar > /dev/null 2>&1 && run fi-install 120 python scripts/fi_jit.py install .fi-aot
+python -m pagedattn.cli info > "$LOGS/info.log" 2>&1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$LOGS/info.log"
 for s in $suites; do
   case $s in
     torch|triton|flashinfer)
       run "$s" "${LIMIT:-240}" python -m pytest tests/backend tests/gpu $([ "$s" = flashinfer ] && echo tests/flashinfer) \
-        --backend "$s" --device cuda -q -p no:cacheprovider -n 4 ;;
+        --backend "$s" --device cuda -q -p no:cacheprovider -n "${WORKERS:-4}" --tb=short -rfEs ;;
     kernels) run kernels 150 python -m pytest tests/kernels/test_kernels_gpu.py -q -p no:cacheprovider ;;
-    bench) run bench 200 python -m pagedattn.cli bench kernels --out "$OUT/bench.json" ;;
+    bench) run bench 200 python -m pagedattn.cli bench kernels --out "$LOGS/bench.md" ;;
     torch-fp16|torch-bf16|triton-fp16|triton-bf16)
       run "$s" "${LIMIT:-240}" python -m pytest tests/backend tests/gpu --backend "${s%-*}" --dtype "${s#*-}" \
         --device cuda -q -p no:cacheprovider -n 4 ;;
     engine) run engine 300 python -m pytest tests/engine tests/models --backend triton --device cuda -q \
         -p no:cacheprovider -n 4 ;;
+    fi-record) FI_JIT_RECORD="$PWD/fi_jit_record.tsv" run fi-record "${LIMIT:-200}" python -m pytest tests/backend \
+        tests/gpu tests/flashinfer --backend flashinfer --device cuda -q -p no:cacheprovider -p fi_jit -n 8
+      cp fi_jit_record.tsv "$LOGS/" 2>/dev/null ;;
+    fi-build) run fi-build 900 python scripts/fi_jit.py build --record fi_jit_record.tsv \
+        --seconds $(( ${FI_BUILD_UNTIL:-480} - SECONDS )) ;;
+    fi-pack) run fi-pack 150 python scripts/fi_jit.py pack "$OUT" --tag "${FI_TAG:-$(date +%H%M%S)}" \
+        --max-parts $(( 6 - $(ls "$OUT" | grep -c fi-aot) )) ;;
+    backends) run backends 300 python -m pagedattn.cli bench backends --out "$LOGS/backends.md" ;;
     engine-bench) run engine-bench 170 python -m pagedattn.benchmarks.engine_gpu --backend triton ;;
+    engine-bench-fi) run engine-bench-fi 170 python -m pagedattn.benchmarks.engine_gpu --backend flashinfer ;;
   esac
 done
-cat "$OUT/info.log"
+cat "$LOGS/info.log"
 echo "----"
 cat "$summary"
