@@ -76,9 +76,10 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat-template", action="store_true", help="send the prompts as they are")
     gen.set_defaults(func=generate)
 
-    b = sub.add_parser("bench", help="benchmarks (kernels against peers, engine against transformers)")
-    b.add_argument("what", choices=["kernels", "engine"])
-    b.add_argument("--out", default=None, help="write the results as JSON here")
+    b = sub.add_parser("bench", help="benchmarks (kernels against peers, backends against each other, "
+                                     "engine against transformers)")
+    b.add_argument("what", choices=["kernels", "backends", "engine"])
+    b.add_argument("--out", default=None, help="write the results here (markdown for kernels/backends, JSON for engine)")
     b.add_argument("--device", default="cpu", help="engine benchmark device (cpu or cuda)")
     b.set_defaults(func=bench)
     return parser
