@@ -27,6 +27,12 @@ def test_integer_query(sc):
         _fwd(sc, q, sc.key.flatten(1), sc.value.flatten(1))
 
 
+def test_declared_query_dtype_is_checked(backend):
+    impl = backend.get_impl_cls()(4, 64, 0.125, 2)
+    with pytest.raises(TypeError, match="query dtype"):
+        impl.set_query_dtype(torch.int32)
+
+
 def _other_dtype(dtype):
     return torch.float16 if dtype != torch.float16 else torch.bfloat16
 
