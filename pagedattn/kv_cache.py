@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedattn.attention.types import FP8_DTYPES
+from pagedattn.dtypes import FP8_DTYPES
 
 
 def quantize(x: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -5,7 +5,8 @@ from pagedattn.attention.builder import MetadataBuilder
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.registry import BackendStatus, BackendUnavailableError, get_backend, list_backends
 from pagedattn.attention.state import AttentionState
-from pagedattn.attention.types import PAD_SLOT_ID, AttentionType, ScheduledSeq, kv_cache_dtype
+from pagedattn.attention.types import PAD_SLOT_ID, AttentionType, ScheduledSeq
+from pagedattn.dtypes import kv_cache_dtype
 
 __all__ = [
     "PAD_SLOT_ID",

@@ -9,7 +9,8 @@ import torch
 from pagedattn.attention.builder import MetadataBuilder
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.state import AttentionState
-from pagedattn.attention.types import KV_CACHE_DTYPE_NAMES, AttentionType, kv_cache_dtype
+from pagedattn.attention.types import AttentionType
+from pagedattn.dtypes import KV_CACHE_DTYPE_NAMES, kv_cache_dtype
 
 Scale = float | torch.Tensor
 

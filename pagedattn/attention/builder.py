@@ -7,17 +7,14 @@ from collections.abc import Sequence
 import torch
 
 from pagedattn.attention.metadata import AttentionMetadata
-from pagedattn.attention.types import PAD_SLOT_ID, ScheduledSeq
+from pagedattn.attention.types import PAD_SLOT_ID, ScheduledSeq, window_start_block
+from pagedattn.intmath import cdiv, cumsum
 
 
 SLOTS_ALL_REAL = "slots_all_real"
 """Key of `md._views` that `build` sets for eager metadata (no `cuda_graph_pad_to`), whose
 `slot_mapping` has no padding (-1): a host fact that lets a cache write skip its padding guard.
 `advance_step` clears `_views`, dropping it; graph metadata never has it (replays may pad)."""
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _slots(block_table: Sequence[int], start: int, stop: int, block_size: int) -> list[int]:
@@ -70,8 +67,8 @@ class MetadataBuilder:
 
         enc = self._encoder_fields(seqs, num_prefills, pad_to=len(seq_lens))
         num_seqs = len(seq_lens)
-        query_start = _cumsum(query_lens)
-        seq_start = _cumsum(seq_lens)
+        query_start = cumsum(query_lens)
+        seq_start = cumsum(seq_lens)
         # The decode part's start locations, re-based to 0 (for `decode_metadata`).
         dq = [x - query_start[num_prefills] for x in query_start[num_prefills:]]
         ds = [x - seq_start[num_prefills] for x in seq_start[num_prefills:]]
@@ -123,10 +120,7 @@ class MetadataBuilder:
 
     def _dropped_blocks(self, s: ScheduledSeq) -> int:
         """Leading blocks wholly outside the window of the step's first query (position context_len)."""
-        if self.sliding_window is None:
-            return 0
-        first_visible = s.context_len - self.sliding_window + 1
-        return max(0, first_visible) // self.block_size
+        return window_start_block(s.context_len, self.sliding_window, self.block_size)
 
     def _validate(self, seqs: Sequence[ScheduledSeq], pad_to: int | None) -> None:
         seen_decode = False
@@ -136,7 +130,7 @@ class MetadataBuilder:
             if s.is_prefill and seen_decode:
                 raise ValueError(f"prefills must be listed before decodes, got a prefill at index {i} after a decode")
             seen_decode |= not s.is_prefill
-            need = _cdiv(s.seq_len, self.block_size)
+            need = cdiv(s.seq_len, self.block_size)
             if len(s.block_table) < need:
                 raise ValueError(
                     f"sequence {i}: block table too short, expected >= {need} blocks for seq_len={s.seq_len} "
@@ -144,9 +138,9 @@ class MetadataBuilder:
                 )
             if any(b < 0 for b in s.block_table):
                 raise ValueError(f"sequence {i}: expected block ids >= 0, got {list(s.block_table)}")
-            if s.cross_block_table and len(s.cross_block_table) < _cdiv(s.encoder_len, self.block_size):
+            if s.cross_block_table and len(s.cross_block_table) < cdiv(s.encoder_len, self.block_size):
                 raise ValueError(
-                    f"sequence {i}: cross block table too short, expected >= {_cdiv(s.encoder_len, self.block_size)} "
+                    f"sequence {i}: cross block table too short, expected >= {cdiv(s.encoder_len, self.block_size)} "
                     f"blocks for encoder_len={s.encoder_len}, got {len(s.cross_block_table)}"
                 )
         if pad_to is not None:
@@ -171,7 +165,7 @@ class MetadataBuilder:
         return dict(
             num_tokens=sum(prefill_lens),
             lens=lens,
-            start=_cumsum(prefill_lens),
+            start=cumsum(prefill_lens),
             cross_slots=cross_slots,
             cross_width=width,
             cross_rows_flat=[x for t in cross for x in t + [0] * (width - len(t))],
@@ -186,9 +180,3 @@ class MetadataBuilder:
             flat = flat.to(self.device)
         return list(torch.split(flat, [len(p) for p in parts]))
 
-
-def _cumsum(xs: list[int]) -> list[int]:
-    out = [0]
-    for x in xs:
-        out.append(out[-1] + x)
-    return out

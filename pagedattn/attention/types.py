@@ -1,12 +1,10 @@
-"""Vocabulary types shared by every backend: attention kinds, scheduled sequences, cache dtypes."""
+"""Vocabulary types shared by every backend: attention kinds and scheduled sequences."""
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-import torch
 
 PAD_SLOT_ID = -1
 """A `slot_mapping` entry that means "padding: write nothing"."""
@@ -52,28 +50,17 @@ class ScheduledSeq:
 
     @property
     def is_prefill(self) -> bool:
+        """The one prefill rule: a sequence computing several tokens, or its first."""
         return self.query_len > 1 or self.context_len == 0
 
 
-_KV_CACHE_DTYPES = {
-    "fp8": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-KV_CACHE_DTYPE_NAMES = ("auto", *_KV_CACHE_DTYPES)
+def window_start_block(context_len: int, sliding_window: int | None, block_size: int) -> int:
+    """Leading blocks of a sequence that no query of a step starting at position `context_len`
+    can see through a sliding window of `sliding_window` keys (0 without a window).
 
-
-def kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """Map a cache dtype name to the torch dtype of the cache tensor.
-
-    `"auto"` is the model dtype; `"fp8"`/`"fp8_e4m3"` is `float8_e4m3fn`; `"fp8_e5m2"` is `float8_e5m2`.
+    The one owner of this fact: the builder drops these blocks from the step's tables, and an
+    engine may free them (their entries in the block table are then never read).
     """
-    if kv_cache_dtype == "auto":
-        return model_dtype
-    try:
-        return _KV_CACHE_DTYPES[kv_cache_dtype]
-    except KeyError:
-        raise ValueError(
-            f"expected kv_cache_dtype in {list(KV_CACHE_DTYPE_NAMES)}, got {kv_cache_dtype!r}"
-        ) from None
+    if sliding_window is None:
+        return 0
+    return max(0, context_len - sliding_window + 1) // block_size

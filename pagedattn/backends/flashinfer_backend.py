@@ -42,10 +42,12 @@ from pagedattn.attention.backend import AttentionBackend, AttentionImpl, Capabil
 from pagedattn.attention.builder import MetadataBuilder
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.state import AttentionState
-from pagedattn.attention.types import FP8_DTYPES, AttentionType, kv_cache_dtype
-from pagedattn.backends.flashinfer_plan import (LayerSpec, PagedKV, Plans, Role, cumsum_list,
+from pagedattn.attention.types import AttentionType
+from pagedattn.dtypes import FP8_DTYPES, kv_cache_dtype
+from pagedattn.backends.flashinfer_plan import (LayerSpec, PagedKV, Plans, Role,
                                                 host_int32, make_wrapper, pages_on_device,
                                                 pages_on_host, workspace)
+from pagedattn.intmath import cumsum
 from pagedattn.kv_cache import store_kv
 
 _MIN_VERSION = (0, 7)
@@ -180,7 +182,7 @@ def _paged(block_tables, seq_lens_tensor, seq_lens: list[int], query_lens: list[
     indptr, last = pages_on_host(seq_lens, block_size)
     return PagedKV(*pages_on_device(block_tables, seq_lens_tensor, block_size),
                    indptr_host=host_int32(indptr), last_page_len_host=host_int32(last),
-                   qo_indptr_host=host_int32(cumsum_list(query_lens)))
+                   qo_indptr_host=host_int32(cumsum(query_lens)))
 
 
 def _attach(md: FlashInferMetadata) -> None:
@@ -205,13 +207,13 @@ def _ragged_inputs(md: FlashInferMetadata, spec: LayerSpec):
     if kind is AttentionType.ENCODER:
         if md.encoder_seq_lens is None:
             return None
-        enc = host_int32(cumsum_list(md.encoder_seq_lens[:p]))
+        enc = host_int32(cumsum(md.encoder_seq_lens[:p]))
         return enc, enc
     if kind is AttentionType.ENCODER_DECODER:  # profiling: prefills over their encoder tokens
         if md.encoder_seq_lens is None:
             return None
-        return host_int32(cumsum_list(md.query_lens[:p])), host_int32(cumsum_list(md.encoder_seq_lens[:p]))
-    qo = host_int32(cumsum_list(md.query_lens))  # ENCODER_ONLY, or a DECODER's profiling run
+        return host_int32(cumsum(md.query_lens[:p])), host_int32(cumsum(md.encoder_seq_lens[:p]))
+    qo = host_int32(cumsum(md.query_lens))  # ENCODER_ONLY, or a DECODER's profiling run
     return qo, qo
 
 
@@ -303,7 +305,7 @@ class FlashInferState(AttentionState):
         indptr, last = pages_on_host(md.seq_lens, self.block_size)
         md.paged_kv = PagedKV(*pages_on_device(md.block_tables, md.seq_lens_tensor, self.block_size, out=out),
                               indptr_host=host_int32(indptr), last_page_len_host=host_int32(last),
-                              qo_indptr_host=host_int32(cumsum_list(md.query_lens)))
+                              qo_indptr_host=host_int32(cumsum(md.query_lens)))
         if n not in self._graph_plans:
             self._graph_plans[n] = Plans(self.device, lambda role, spec: self._graph_wrapper(n, role, spec))
         md.plans = self._graph_plans[n]

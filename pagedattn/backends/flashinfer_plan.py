@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedattn.attention.types import AttentionType
+from pagedattn.intmath import cdiv
 
 _POWER_OF_TWO_HEAD_DIMS = (64, 128, 256)
 
@@ -126,7 +127,7 @@ def pages_on_host(seq_lens: list[int], block_size: int) -> tuple[list[int], list
     """(indptr [B+1], last_page_len [B]) as host lists: what `pages_on_device` computes."""
     indptr, last = [0], []
     for n in seq_lens:
-        pages = -(-n // block_size)
+        pages = cdiv(n, block_size)
         indptr.append(indptr[-1] + pages)
         last.append(n - max(pages - 1, 0) * block_size)
     return indptr, last
@@ -136,13 +137,6 @@ def host_int32(values: list[int]) -> torch.Tensor:
     """A pinned int32 host tensor (plan inputs: FlashInfer copies them to the device async)."""
     t = torch.tensor(values, dtype=torch.int32)
     return t.pin_memory() if torch.cuda.is_available() else t
-
-
-def cumsum_list(xs: list[int]) -> list[int]:
-    out = [0]
-    for x in xs:
-        out.append(out[-1] + x)
-    return out
 
 
 # ----------------------------------------------------------------------------- workspace

@@ -18,10 +18,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable
 
 from pagedattn.engine.sequence import SLIDING_FREED, Sequence, SeqStatus
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from pagedattn.intmath import cdiv
 
 
 class _Pool:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedattn.attention.types import KV_CACHE_DTYPE_NAMES
+from pagedattn.dtypes import KV_CACHE_DTYPE_NAMES
 
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 DTYPE_NAMES = ("auto", "float32", "float", "bfloat16", "float16", "half")

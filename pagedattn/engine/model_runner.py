@@ -18,13 +18,14 @@ import torch
 from pagedattn.attention.backend import AttentionBackend
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.state import AttentionState
-from pagedattn.attention.types import ScheduledSeq, kv_cache_dtype
-from pagedattn.engine.block_manager import cdiv
+from pagedattn.attention.types import ScheduledSeq
+from pagedattn.dtypes import kv_cache_dtype
 from pagedattn.engine.config import EngineConfig
 from pagedattn.engine.sampler import Sampler, SamplingBatch
 from pagedattn.engine.sampling_params import SamplingParams
 from pagedattn.engine.scheduler import ScheduledChunk, SchedulerOutput
 from pagedattn.engine.sequence import SLIDING_FREED
+from pagedattn.intmath import cdiv
 from pagedattn.layer import forward_context
 from pagedattn.models.layers import pack_linears_for_cpu
 

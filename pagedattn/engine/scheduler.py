@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedattn.engine.block_manager import BlockManager, cdiv
+from pagedattn.engine.block_manager import BlockManager
+from pagedattn.intmath import cdiv
 from pagedattn.engine.sequence import Sequence, SequenceGroup, SeqStatus
 
 

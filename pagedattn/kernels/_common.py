@@ -12,19 +12,15 @@ import os
 
 import torch
 
+from pagedattn.dtypes import FLOAT_DTYPES, FP8_DTYPES  # noqa: F401  (the launchers' dtype checks)
+
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def next_pow2(x: int) -> int:
     """Smallest power of two >= x (x >= 1)."""
     return 1 << max(0, int(x) - 1).bit_length()
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def check(cond: bool, what: str, expected: object, got: object) -> None:

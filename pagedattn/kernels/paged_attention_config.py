@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._common import cdiv, next_pow2
+from pagedattn.intmath import cdiv
+
+from ._common import next_pow2
 
 # Keys per split never fall below this: shorter chunks cost more in the reduction than they
 # win in occupancy.

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedattn.engine.block_manager import BlockManager, cdiv
+from pagedattn.engine.block_manager import BlockManager
+from pagedattn.intmath import cdiv
 from pagedattn.engine.sequence import SLIDING_FREED, Sequence, SeqStatus
 
 
