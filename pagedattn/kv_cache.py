@@ -88,16 +88,16 @@ def store_kv(
     if plan is None:
         plan = plan_store(slot_mapping, k_cache.shape[1])
     for src, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
-        raw = _raw(cache)
+        raw = raw_bytes(cache)
         if plan.rows is None:
-            raw.index_put_((plan.blocks, plan.offsets), _raw(quantize(src, scale, cache.dtype)))
+            raw.index_put_((plan.blocks, plan.offsets), raw_bytes(quantize(src, scale, cache.dtype)))
             continue
-        new = _raw(quantize(src.index_select(0, plan.rows), scale, cache.dtype))
+        new = raw_bytes(quantize(src.index_select(0, plan.rows), scale, cache.dtype))
         new = torch.where(plan.any_real, new, raw[plan.blocks, plan.offsets])
         raw.index_put_((plan.blocks, plan.offsets), new)
 
 
-def _raw(cache: torch.Tensor) -> torch.Tensor:
+def raw_bytes(cache: torch.Tensor) -> torch.Tensor:
     """FP8 caches as bytes: indexing ops lack FP8 kernels on some devices, and copies are bitwise."""
     return cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache
 
@@ -127,11 +127,11 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, src_to_dst: torch.Tensor, 
         lo, hi = int(idx.min()), int(idx.max())
         if lo < 0 or hi >= cache.shape[block_dim]:
             raise IndexError(f"expected {name} blocks in [0, {cache.shape[block_dim]}), got [{lo}, {hi}]")
-    blocks = _raw(src).index_select(block_dim, s.to(src.device))
+    blocks = raw_bytes(src).index_select(block_dim, s.to(src.device))
     # Host-to-device copies may run ahead; a device-to-host copy must land before the CPU
     # `index_copy_` reads it, so it is a blocking one.
     blocks = blocks.to(dst.device, non_blocking=dst.device.type != "cpu")
-    _raw(dst).index_copy_(block_dim, d.to(dst.device), blocks)
+    raw_bytes(dst).index_copy_(block_dim, d.to(dst.device), blocks)
 
 
 def copy_blocks(kv_caches: list[torch.Tensor], src_to_dists: torch.Tensor, block_dim: int) -> None:
@@ -147,5 +147,5 @@ def copy_blocks(kv_caches: list[torch.Tensor], src_to_dists: torch.Tensor, block
     for cache in kv_caches:
         if cache.device != src_to_dists.device:
             raise ValueError(f"expected src_to_dists on the caches' device {cache.device}, got {src_to_dists.device}")
-        raw = _raw(cache)
+        raw = raw_bytes(cache)
         raw.index_copy_(block_dim, d, raw.index_select(block_dim, s))

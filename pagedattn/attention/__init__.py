@@ -1,6 +1,7 @@
 """The attention contract: types, metadata, builder, state, backend base and registry."""
 
-from pagedattn.attention.backend import AttentionBackend, AttentionImpl, Capabilities
+from pagedattn.attention.backend import AttentionBackend, Capabilities
+from pagedattn.attention.impl import AttentionImpl
 from pagedattn.attention.builder import MetadataBuilder
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.registry import BackendStatus, BackendUnavailableError, get_backend, list_backends

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -11,10 +12,14 @@ from pagedattn.attention.types import PAD_SLOT_ID, ScheduledSeq, window_start_bl
 from pagedattn.intmath import cdiv, cumsum
 
 
-SLOTS_ALL_REAL = "slots_all_real"
-"""Key of `md._views` that `build` sets for eager metadata (no `cuda_graph_pad_to`), whose
-`slot_mapping` has no padding (-1): a host fact that lets a cache write skip its padding guard.
-`advance_step` clears `_views`, dropping it; graph metadata never has it (replays may pad)."""
+def _check_block_ids(i: int, what: str, ids: Sequence) -> None:
+    for b in ids:
+        try:
+            ok = operator.index(b) >= 0
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"sequence {i}: expected {what} ids that are ints >= 0, got {b!r} in {list(ids)}")
 
 
 def _slots(block_table: Sequence[int], start: int, stop: int, block_size: int) -> list[int]:
@@ -27,10 +32,11 @@ class MetadataBuilder:
 
     With `sliding_window`, leading blocks that no query of the step can see are dropped from the
     tables; the sequence's positions shift by whole blocks, so results do not change.
-    Backends with extra metadata subclass this and override `metadata_cls` / `_extend`.
+    A backend's builder names the backend (`backend`), whose `get_metadata_cls()` is the class
+    built; backends that add fields override `_extend`.
     """
 
-    metadata_cls: type[AttentionMetadata] = AttentionMetadata
+    backend: type | None = None  # the AttentionBackend; None: the common AttentionMetadata
 
     def __init__(self, block_size: int, device: torch.device | str, *, sliding_window: int | None = None):
         if not isinstance(block_size, int) or block_size < 1:
@@ -40,6 +46,17 @@ class MetadataBuilder:
         self.block_size = block_size
         self.device = torch.device(device)
         self.sliding_window = sliding_window
+
+    @property
+    def metadata_cls(self) -> type[AttentionMetadata]:
+        return AttentionMetadata if self.backend is None else self.backend.get_metadata_cls()
+
+    def set_layers(self, impls: Iterable) -> None:
+        """The attention impls (`AttentionImpl`) of the model whose steps this builder builds.
+
+        Optional: backends that plan per layer setting ahead of the step (FlashInfer) plan these
+        layers in `build`; the others ignore them.
+        """
 
     def build(self, seqs: Sequence[ScheduledSeq], *, cuda_graph_pad_to: int | None = None) -> AttentionMetadata:
         self._validate(seqs, cuda_graph_pad_to)
@@ -53,6 +70,7 @@ class MetadataBuilder:
             context_lens.append(s.context_len - drop * bs)
             query_lens.append(s.query_len)
             tables.append(list(s.block_table[drop:]))
+        max_block_id = max((max(t) for t in tables if t), default=0)
         num_prefill_tokens = sum(query_lens[:num_prefills])
         num_decode_tokens = len(seqs) - num_prefills
         real_decode_lens = seq_lens[num_prefills:]
@@ -70,8 +88,9 @@ class MetadataBuilder:
         query_start = cumsum(query_lens)
         seq_start = cumsum(seq_lens)
         # The decode part's start locations, re-based to 0 (for `decode_metadata`).
-        dq = [x - query_start[num_prefills] for x in query_start[num_prefills:]]
-        ds = [x - seq_start[num_prefills] for x in seq_start[num_prefills:]]
+        mixed = 0 < num_prefills < num_seqs
+        dq = [x - query_start[num_prefills] for x in query_start[num_prefills:]] if mixed else []
+        ds = [x - seq_start[num_prefills] for x in seq_start[num_prefills:]] if mixed else []
         width = max((len(t) for t in tables), default=0)
         rows = [t + [0] * (width - len(t)) for t in tables]
 
@@ -100,10 +119,11 @@ class MetadataBuilder:
             max_prefill_seq_len=max(seq_lens[:num_prefills], default=0),
             max_decode_seq_len=max(real_decode_lens, default=0),
             use_cuda_graph=cuda_graph_pad_to is not None,
+            decode_query_start_loc=i32[4] if mixed else None,
+            decode_seq_start_loc=i32[5] if mixed else None,
+            slots_all_real=cuda_graph_pad_to is None,
+            max_block_id=max_block_id,
         )
-        md._views["rebased"] = (i32[4], i32[5])
-        if cuda_graph_pad_to is None:
-            md._views[SLOTS_ALL_REAL] = True
         if enc:
             md.num_encoder_tokens = enc["num_tokens"]
             md.encoder_seq_lens = enc["lens"]
@@ -112,6 +132,7 @@ class MetadataBuilder:
             md.max_encoder_seq_len = max(enc["lens"], default=0)
             md.cross_block_tables = i32[9].view(num_seqs, enc["cross_width"])
             md.cross_slot_mapping = i64[1]
+            md.max_cross_block_id = enc["max_block_id"]
         self._extend(md, seqs)
         return md
 
@@ -136,8 +157,9 @@ class MetadataBuilder:
                     f"sequence {i}: block table too short, expected >= {need} blocks for seq_len={s.seq_len} "
                     f"(block_size={self.block_size}), got {len(s.block_table)}"
                 )
-            if any(b < 0 for b in s.block_table):
-                raise ValueError(f"sequence {i}: expected block ids >= 0, got {list(s.block_table)}")
+            # Blocks the window dropped are never read: an engine may have freed them.
+            _check_block_ids(i, "block", s.block_table[self._dropped_blocks(s):])
+            _check_block_ids(i, "cross block", s.cross_block_table)
             if s.cross_block_table and len(s.cross_block_table) < cdiv(s.encoder_len, self.block_size):
                 raise ValueError(
                     f"sequence {i}: cross block table too short, expected >= {cdiv(s.encoder_len, self.block_size)} "
@@ -169,6 +191,7 @@ class MetadataBuilder:
             cross_slots=cross_slots,
             cross_width=width,
             cross_rows_flat=[x for t in cross for x in t + [0] * (width - len(t))],
+            max_block_id=max((max(t) for t in cross if t), default=0),
         )
 
     def _to_device(self, parts: list[list[int]], dtype: torch.dtype) -> list[torch.Tensor]:

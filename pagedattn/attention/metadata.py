@@ -2,7 +2,8 @@
 
 Token layout of a step: `[prefill tokens | decode tokens | CUDA-graph padding]`; prefills come
 first. Device tensors describe the batch for kernels; host ints/lists (`seq_lens`, `query_lens`,
-the `max_*` values) size launches without a device synchronisation.
+the `max_*` values, `max_block_id`) size launches and check inputs without a device
+synchronisation. Every fact is a named field, computed once by the builder (or the graph state).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 
 from pagedattn.attention.types import PAD_SLOT_ID
+from pagedattn.kv_cache import StorePlan, plan_store
 
 
 @dataclass
@@ -39,6 +41,13 @@ class AttentionMetadata:
     max_prefill_seq_len: int
     max_decode_seq_len: int
     use_cuda_graph: bool = False
+    # The decode part's start locations re-based to 0 (int32 [B - num_prefills + 1]), for
+    # `decode_metadata`; None when the step has no prefill (the step's own are already).
+    decode_query_start_loc: torch.Tensor | None = None
+    decode_seq_start_loc: torch.Tensor | None = None
+    # Host facts that let `forward` check and skip work without reading the device:
+    slots_all_real: bool = False  # no slot is -1 (a store needs no padding guard); stays exact under advance_step
+    max_block_id: int = 0  # the largest block id in `block_tables` (checked against the cache's pool)
     # Encoder-decoder models: the encoder tokens of the step are those of its prefills.
     num_encoder_tokens: int = 0
     encoder_seq_lens: list[int] | None = None  # host [B]
@@ -47,7 +56,13 @@ class AttentionMetadata:
     max_encoder_seq_len: int = 0
     cross_slot_mapping: torch.Tensor | None = None  # int64 [num_encoder_tokens]
     cross_block_tables: torch.Tensor | None = None  # int32 [B, W_cross]
-    _views: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    max_cross_block_id: int = 0  # the largest block id in `cross_block_tables`
+    # Built on first use and kept for the step's other layers (`advance_step` drops what it changes):
+    # the prefill/decode views, and where the PyTorch store writes each slot.
+    _prefill_view: AttentionMetadata | None = field(default=None, repr=False, compare=False)
+    _decode_view: AttentionMetadata | None = field(default=None, repr=False, compare=False)
+    _store_plan: StorePlan | None = field(default=None, repr=False, compare=False)
+    _cross_store_plan: StorePlan | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -64,9 +79,9 @@ class AttentionMetadata:
             return None
         if self.num_decode_tokens == 0:
             return self
-        if "prefill" not in self._views:
-            self._views["prefill"] = self._slice(prefill=True)
-        return self._views["prefill"]
+        if self._prefill_view is None:
+            self._prefill_view = self._slice(prefill=True)
+        return self._prefill_view
 
     @property
     def decode_metadata(self) -> AttentionMetadata | None:
@@ -75,11 +90,28 @@ class AttentionMetadata:
             return None
         if self.num_prefills == 0:
             return self
-        if "decode" not in self._views:
-            self._views["decode"] = self._slice(prefill=False)
-        return self._views["decode"]
+        if self._decode_view is None:
+            self._decode_view = self._slice(prefill=False)
+        return self._decode_view
+
+    def store_plan(self) -> StorePlan:
+        """Where `kv_cache.store_kv` writes the step's `slot_mapping` (kept for the step's layers)."""
+        if self._store_plan is not None:
+            return self._store_plan
+        plan = plan_store(self.slot_mapping, self.block_size, self.slots_all_real)
+        if not self.use_cuda_graph:  # a graph's buffers change between replays: recompute in the graph
+            self._store_plan = plan
+        return plan
+
+    def cross_store_plan(self) -> StorePlan:
+        """Where `kv_cache.store_kv` writes `cross_slot_mapping` (kept for the step's layers)."""
+        if self._cross_store_plan is None:
+            self._cross_store_plan = plan_store(self.cross_slot_mapping, self.block_size)
+        return self._cross_store_plan
 
     def _slice(self, prefill: bool) -> AttentionMetadata:
+        """A view of the prefill or decode part. Subclasses whose fields describe the whole
+        batch reset them through `_part_fields`."""
         p, pt = self.num_prefills, self.num_prefill_tokens
         seqs = slice(None, p) if prefill else slice(p, None)
         enc = self.encoder_seq_lens_tensor
@@ -97,30 +129,33 @@ class AttentionMetadata:
             max_prefill_seq_len=self.max_prefill_seq_len if prefill else 0,
             max_decode_seq_len=0 if prefill else self.max_decode_seq_len,
             use_cuda_graph=False if prefill else self.use_cuda_graph,
+            decode_query_start_loc=None,
+            decode_seq_start_loc=None,
             num_encoder_tokens=self.num_encoder_tokens if prefill else 0,
             encoder_seq_lens=None if self.encoder_seq_lens is None else self.encoder_seq_lens[seqs],
             encoder_seq_lens_tensor=None if enc is None else enc[seqs],
             encoder_seq_start_loc=self.encoder_seq_start_loc if prefill else None,
             cross_slot_mapping=self.cross_slot_mapping if prefill else None,
             cross_block_tables=None if self.cross_block_tables is None else self.cross_block_tables[seqs],
-            _views={},
+            _prefill_view=None,
+            _decode_view=None,
+            _store_plan=None,
+            _cross_store_plan=None,
         )
         if prefill:
             changes["query_start_loc"] = self.query_start_loc[: p + 1]
             changes["seq_start_loc"] = self.seq_start_loc[: p + 1]
         else:
-            # Decode start locations are re-based to 0; the builder stored them after the batch's.
-            b = self.num_seqs
-            changes["query_start_loc"] = self._rebased[0][: b - p + 1]
-            changes["seq_start_loc"] = self._rebased[1][: b - p + 1]
+            changes["query_start_loc"] = self.decode_query_start_loc
+            changes["seq_start_loc"] = self.decode_seq_start_loc
         if self.encoder_seq_lens is not None and not prefill:
             changes["max_encoder_seq_len"] = max(self.encoder_seq_lens[p:], default=0)
+        changes.update(self._part_fields())
         return dataclasses.replace(self, **changes)
 
-    @property
-    def _rebased(self) -> tuple[torch.Tensor, torch.Tensor]:
-        # Filled by the builder: decode-part query/seq start locations starting at 0.
-        return self._views["rebased"]
+    def _part_fields(self) -> dict[str, Any]:
+        """Fields of a subclass to reset in a part's view (the per-step caches of the whole batch)."""
+        return {}
 
     def advance_step(
         self,
@@ -143,7 +178,13 @@ class AttentionMetadata:
         The block tables must already hold the block of each new position (lookahead blocks).
         """
         self._check_advance(input_tokens, input_positions, sampled_token_ids, block_size, num_seqs, num_queries)
-        n = num_queries
+        self._advance_device(input_tokens, input_positions, sampled_token_ids, block_size, num_seqs, num_queries)
+        steps = torch.arange(1, num_seqs + 1, device=self.seq_start_loc.device, dtype=torch.int32)
+        self.seq_start_loc[1:] += steps.clamp_(max=num_queries)
+        self._advance_host(num_queries, num_seqs)
+
+    def _advance_device(self, input_tokens, input_positions, sampled_token_ids, block_size, num_seqs, n) -> None:
+        """Tokens, positions, lengths and slots of the first `n` rows; padding rows get slot -1."""
         input_tokens[:n].copy_(sampled_token_ids[:n, 0])
         input_positions[:n] += 1
         self.seq_lens_tensor[:n] += 1
@@ -152,9 +193,6 @@ class AttentionMetadata:
         blocks = self.block_tables[:n].gather(1, (pos // block_size).unsqueeze(1)).squeeze(1)
         self.slot_mapping[:n] = blocks.long() * block_size + pos % block_size
         self.slot_mapping[n:num_seqs] = PAD_SLOT_ID
-        steps = torch.arange(1, num_seqs + 1, device=self.seq_start_loc.device, dtype=torch.int32)
-        self.seq_start_loc[1:] += steps.clamp_(max=n)
-        self._advance_host(n)
 
     def _check_advance(self, input_tokens, input_positions, sampled_token_ids, block_size, num_seqs, num_queries):
         if self.num_prefills:
@@ -174,9 +212,14 @@ class AttentionMetadata:
                 f"expected sampled_token_ids [{num_queries}, 1], got {list(sampled_token_ids.shape)}"
             )
 
-    def _advance_host(self, n: int) -> None:
+    def _advance_host(self, n: int, num_seqs: int) -> None:
         for i in range(n):
             self.seq_lens[i] += 1
         if n:
-            self.max_decode_seq_len = max(self.seq_lens[:n]) if self.seq_lens else self.max_decode_seq_len + 1
-        self._views = {"rebased": self._views.get("rebased")}
+            self.max_decode_seq_len = max(self.seq_lens[:n])
+        # Rows n..num_seqs now hold slot -1: a store must guard them from here on.
+        self.slots_all_real = self.slots_all_real and n == num_seqs
+        self._decode_view = None
+        self._store_plan = None
+        for name, value in self._part_fields().items():
+            setattr(self, name, value)

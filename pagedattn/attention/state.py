@@ -20,7 +20,15 @@ class AttentionState:
     `max_batch_size` sequences of up to `max_blocks_per_seq` blocks.
     """
 
-    metadata_cls: type[AttentionMetadata] = AttentionMetadata
+    backend: type | None = None  # the AttentionBackend whose `get_metadata_cls()` graphs read
+
+    @property
+    def metadata_cls(self) -> type[AttentionMetadata]:
+        return AttentionMetadata if self.backend is None else self.backend.get_metadata_cls()
+
+    def set_layers(self, impls) -> None:
+        """The attention impls (`AttentionImpl`) of the model that graphs capture. Optional:
+        backends that plan per layer setting (FlashInfer) plan these for capture and replay."""
 
     def __init__(self, max_batch_size: int, max_blocks_per_seq: int, block_size: int, device: torch.device | str):
         if max_batch_size < 1 or max_blocks_per_seq < 1 or block_size < 1:

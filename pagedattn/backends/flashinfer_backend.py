@@ -2,27 +2,27 @@
 `(num_blocks, 2, block_size, Hkv, D)` cache ("NHD" pages: K = kv[:, 0], V = kv[:, 1]).
 
 Plan once per step, run per layer:
-- Every impl registers itself on `FlashInferBackend` at construction; its `LayerSpec` (scale,
-  window, soft cap, head counts, dtypes: what FlashInfer fixes at plan time) is known once the
-  layer knows its query dtype: declared by `set_query_dtype` (the model loader and
-  `pagedattn.Attention(dtype=)` do), else learnt on its first forward. Gemma 2's alternating
-  windows are simply two specs.
-- `FlashInferMetadataBuilder.build` computes each part's pages (`PagedKV`) and plans one wrapper
-  per (part, spec) for every live spec: the prefill view on `BatchPrefillWithPagedKVCacheWrapper`
-  (causal: bottom-right aligned, so chunked prefill and prefix-cache hits take the same path),
-  the decode view on `BatchDecodeWithPagedKVCacheWrapper` (tensor cores for grouped heads).
-  Graph-padded metadata is planned by `FlashInferState.begin_forward` instead.
-- `FlashInferImpl._forward` stores K/V, picks its planned wrapper and runs it: no planning, no
-  host sync, no allocation. Fallback, documented: a spec met for the first time (a layer never
-  told its dtype, on its first step, or an impl built after the metadata) is planned right
-  there, outside CUDA-graph capture only; the builder plans it from then on.
+- A layer's `LayerSpec` (scale, window, soft cap, head counts, dtypes: what FlashInfer fixes at
+  plan time) is known once the layer knows its query dtype (`set_query_dtype`, which the model
+  loader and `pagedattn.Attention(dtype=)` call). Gemma 2's alternating windows are two specs.
+- The layers to plan come from whoever owns the model: `builder.set_layers(impls)` and
+  `state.set_layers(impls)` (the engine's runner calls both). `FlashInferMetadataBuilder.build`
+  computes each part's pages (`PagedKV`) and plans one wrapper per (part, spec): the prefill view
+  on `BatchPrefillWithPagedKVCacheWrapper` (causal: bottom-right aligned, so chunked prefill and
+  prefix-cache hits take the same path), the decode view on `BatchDecodeWithPagedKVCacheWrapper`
+  (tensor cores for grouped heads). Graph-padded metadata is planned by
+  `FlashInferState.begin_forward` instead.
+- `FlashInferImpl._attend` picks its planned wrapper and runs it: no planning, no host sync, no
+  allocation. Only a layer nobody gave to `set_layers` (code using the contract alone), or one
+  never told its dtype, is planned on its first forward (outside CUDA-graph capture); its spec
+  is then remembered by the builder, which plans it in every later step.
 
 FP8 caches take real scales. FlashInfer's `run(k_scale=, v_scale=)` wants Python floats
-(k_scale is folded into the host-side sm_scale, exactly, in float32). A 0-dim tensor scale is
-read to the host once per layer, and again only after an in-place change (its version counter
-moves), so steps do not synchronise. A CUDA graph keeps the value it was captured with. Only a
-tensor first met inside a capture is applied on the device: q * k_scale written into `out` and
-run from there (rounding q * k_scale to the model dtype costs some precision), out *= v_scale.
+(k_scale is folded into the host-side sm_scale, exactly, in float32): the layer's `KVScales`
+reads a tensor scale to the host once per in-place change, so steps do not synchronise. A CUDA
+graph keeps the value it was captured with. Only a tensor first met inside a capture is applied
+on the device: q * k_scale written into `out` and run from there (rounding q * k_scale to the
+model dtype costs some precision), out *= v_scale.
 
 Refused at construction: ALiBi (FlashInfer's ALIBI mode uses its own fixed slopes, `run()`
 takes no per-head slopes), float32 (FlashInfer compiles no fp32 kernels), head sizes FlashInfer
@@ -33,22 +33,23 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from pagedattn.attention.backend import AttentionBackend, AttentionImpl, Capabilities
+from pagedattn.attention.backend import AttentionBackend, Capabilities
 from pagedattn.attention.builder import MetadataBuilder
+from pagedattn.attention.impl import AttendCall, AttentionImpl, Source
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.state import AttentionState
 from pagedattn.attention.types import AttentionType
-from pagedattn.dtypes import FP8_DTYPES, kv_cache_dtype
+from pagedattn.dtypes import kv_cache_dtype
 from pagedattn.backends.flashinfer_plan import (LayerSpec, PagedKV, Plans, Role,
                                                 host_int32, make_wrapper, pages_on_device,
                                                 pages_on_host, workspace)
 from pagedattn.intmath import cumsum
-from pagedattn.kv_cache import store_kv
 
 _MIN_VERSION = (0, 7)
 
@@ -87,9 +88,10 @@ class FlashInferBackend(AttentionBackend):
         head_sizes=(64, 128, 256),
         dtypes=(torch.float16, torch.bfloat16),
         alibi=False,
+        why_not=(("alibi", "FlashInfer 0.7's batch wrappers apply their own fixed slopes "
+                           "(pos_encoding_mode='ALIBI') and take no per-head slopes"),),
     )
     kv_cache_block_dim = 0  # swap/copy move whole kv[blk] slices (K and V of the block)
-    _layers: weakref.WeakSet = weakref.WeakSet()
 
     @staticmethod
     def get_name() -> str:
@@ -117,18 +119,28 @@ class FlashInferBackend(AttentionBackend):
         return FlashInferState
 
     @staticmethod
-    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+    def kv_cache_layout(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
         return (num_blocks, 2, block_size, num_kv_heads, head_size)
 
-    @classmethod
-    def register_layer(cls, impl: FlashInferImpl) -> None:
-        """Called by every impl at construction; held weakly (a dead layer is not planned)."""
-        cls._layers.add(impl)
+    @staticmethod
+    def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return kv_cache[:, 0], kv_cache[:, 1]
 
-    @classmethod
-    def layer_specs(cls) -> set[LayerSpec]:
-        """The distinct specs of the live layers whose query dtype is known: what a step plans."""
-        return {impl.spec(d) for impl in list(cls._layers) for d in impl.q_dtypes}
+
+class PlannedLayers:
+    """The layers a builder (or a graph state) plans each step: the model's, given through
+    `set_layers`, plus the specs of layers met unplanned in a forward (contract-only use)."""
+
+    def __init__(self) -> None:
+        self.impls: list[FlashInferImpl] = []
+        self.met: set[LayerSpec] = set()
+
+    def set_layers(self, impls: Iterable[AttentionImpl]) -> None:
+        self.impls = [i for i in impls if isinstance(i, FlashInferImpl)]
+
+    def specs(self) -> set[LayerSpec]:
+        """Distinct specs of the layers whose query dtype is known, and those met since."""
+        return {impl.spec(d) for impl in self.impls for d in impl.q_dtypes} | self.met
 
 
 # ----------------------------------------------------------------------------- metadata
@@ -140,12 +152,13 @@ class FlashInferMetadata(AttentionMetadata):
 
     `paged_kv` / `cross_paged_kv` (through `cross_block_tables`) describe this metadata's
     sequences; a mixed batch's top level has none (its prefill/decode views do). `plans` holds
-    the wrappers planned for this part, per (role, spec).
+    the wrappers planned for this part, per (role, spec); `layers` is what its builder plans.
     """
 
     paged_kv: PagedKV | None = field(default=None, repr=False, compare=False)
     cross_paged_kv: PagedKV | None = field(default=None, repr=False, compare=False)
     plans: Plans | None = field(default=None, repr=False, compare=False)
+    layers: PlannedLayers | None = field(default=None, repr=False, compare=False)
 
     @property
     def paged_kv_indptr(self) -> torch.Tensor | None:  # int32 [B+1]
@@ -163,6 +176,9 @@ class FlashInferMetadata(AttentionMetadata):
         view = super()._slice(prefill)
         _attach(view)
         return view
+
+    def _part_fields(self) -> dict[str, Any]:
+        return {}  # a view's pages and plans are attached by `_slice`
 
     def advance_step(self, input_tokens, input_positions, sampled_token_ids, block_size, num_seqs, num_queries) -> None:
         """The common advance (tokens, positions, lengths, slots), then this batch's pages on
@@ -236,20 +252,29 @@ def _ensure_plan(part: FlashInferMetadata, role: Role, spec: LayerSpec):
     return wrapper
 
 
+def _role(source: Source, prefill_part: bool, attn_type: AttentionType) -> Role:
+    """The wrapper kind that runs a call: paged prefill/decode over the cache or the cross
+    tables, or ragged over the step's rows (causal only for a DECODER's profiling run)."""
+    if source is Source.STEP:
+        return Role.RAGGED_CAUSAL if attn_type is AttentionType.DECODER else Role.RAGGED
+    if source is Source.CROSS_CACHE:
+        return Role.CROSS_PREFILL if prefill_part else Role.CROSS_DECODE
+    return Role.PREFILL if prefill_part else Role.DECODE
+
+
 def _part_roles(md: FlashInferMetadata, spec: LayerSpec):
     """(part, role) pairs a layer of `spec` runs on for this step (cache present)."""
     if spec.attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
         return [(md, Role.RAGGED)]
-    cross = spec.attn_type is AttentionType.ENCODER_DECODER
-    return [(part, role) for part, role in (
-        (md.prefill_metadata, Role.CROSS_PREFILL if cross else Role.PREFILL),
-        (md.decode_metadata, Role.CROSS_DECODE if cross else Role.DECODE)) if part is not None]
+    source = Source.CROSS_CACHE if spec.attn_type is AttentionType.ENCODER_DECODER else Source.CACHE
+    return [(part, _role(source, part is md.prefill_metadata, spec.attn_type))
+            for part in (md.prefill_metadata, md.decode_metadata) if part is not None]
 
 
-def plan_step(md: FlashInferMetadata, decoder_only: bool = False) -> None:
-    """Plan every live layer spec for this step (specs already planned are kept);
-    `decoder_only` for CUDA-graph capture metadata, which captures decoder decodes only."""
-    for spec in FlashInferBackend.layer_specs():
+def plan_step(md: FlashInferMetadata, specs: set[LayerSpec], decoder_only: bool = False) -> None:
+    """Plan `specs` for this step (specs already planned are kept); `decoder_only` for
+    CUDA-graph capture metadata, which captures decoder decodes only."""
+    for spec in specs:
         if decoder_only and spec.attn_type is not AttentionType.DECODER:
             continue
         if spec.attn_type is AttentionType.ENCODER and not md.num_encoder_tokens:
@@ -259,20 +284,26 @@ def plan_step(md: FlashInferMetadata, decoder_only: bool = False) -> None:
 
 
 class FlashInferMetadataBuilder(MetadataBuilder):
-    """The common builder, then FlashInfer's pages per part and the step's plans."""
+    """The common builder, then FlashInfer's pages per part and the step's plans for the
+    layers given to `set_layers`."""
 
-    metadata_cls = FlashInferMetadata
+    backend = FlashInferBackend
 
     def __init__(self, block_size: int, device, *, sliding_window: int | None = None):
         super().__init__(block_size, device, sliding_window=sliding_window)
         if self.device.type != "cuda":
             raise ValueError(f"the 'flashinfer' backend needs a CUDA device, got {self.device}")
+        self.layers = PlannedLayers()
+
+    def set_layers(self, impls: Iterable[AttentionImpl]) -> None:
+        self.layers.set_layers(impls)
 
     def _extend(self, md: FlashInferMetadata, seqs) -> None:
+        md.layers = self.layers
         _attach(md)
         _ = (md.prefill_metadata, md.decode_metadata)  # the views (and their pages) are built here
         if not md.use_cuda_graph:  # graph-padded steps are planned by FlashInferState.begin_forward
-            plan_step(md)
+            plan_step(md, self.layers.specs())
 
 
 # ----------------------------------------------------------------------------- CUDA graphs
@@ -284,12 +315,16 @@ class FlashInferState(AttentionState):
     lengths [max_bs], shared by all specs and sizes). `begin_forward` re-plans them for the real
     lengths before each replay; `prepare_graph_input_buffers` copies the pages with the rest."""
 
-    metadata_cls = FlashInferMetadata
+    backend = FlashInferBackend
     _PAGED = ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
 
     def __init__(self, max_batch_size: int, max_blocks_per_seq: int, block_size: int, device):
         super().__init__(max_batch_size, max_blocks_per_seq, block_size, device)
         self._graph_plans: dict[int, Plans] = {}  # batch size -> its graph wrappers (shared by clones)
+        self.layers = PlannedLayers()
+
+    def set_layers(self, impls: Iterable[AttentionImpl]) -> None:
+        self.layers.set_layers(impls)
 
     def _allocate(self) -> dict[str, torch.Tensor]:
         n, w, dev = self.max_batch_size, self.max_blocks_per_seq, self.device
@@ -309,7 +344,8 @@ class FlashInferState(AttentionState):
         if n not in self._graph_plans:
             self._graph_plans[n] = Plans(self.device, lambda role, spec: self._graph_wrapper(n, role, spec))
         md.plans = self._graph_plans[n]
-        plan_step(md, decoder_only=True)
+        md.layers = self.layers
+        plan_step(md, self.layers.specs(), decoder_only=True)
 
     def _graph_wrapper(self, n: int, role: Role, spec: LayerSpec):
         if role is not Role.DECODE:
@@ -341,13 +377,14 @@ class FlashInferState(AttentionState):
         md = attn_metadata
         graph = self._graph_plans.get(md.num_seqs) if md.use_cuda_graph else None
         if graph is None:
-            plan_step(md)
+            plan_step(md, (md.layers or self.layers).specs())
         else:
             graph.replan_all(lambda role: md.paged_kv if role is Role.DECODE else None, self.block_size)
 
     def graph_clone(self, batch_size: int) -> FlashInferState:
         clone = super().graph_clone(batch_size)
         clone._graph_plans = self._graph_plans
+        clone.layers = self.layers
         return clone
 
 
@@ -356,20 +393,12 @@ class FlashInferState(AttentionState):
 
 class FlashInferImpl(AttentionImpl):
     backend = FlashInferBackend
+    split_parts = True  # prefill and decode parts run on different wrappers
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.q_dtypes: set[torch.dtype] = set()  # query dtypes seen; a step plans each
+        self.q_dtypes: set[torch.dtype] = set()  # query dtypes declared or seen; a step plans each
         self._specs: dict[torch.dtype, LayerSpec] = {}
-        self._scales: list[tuple | None] = [None, None]  # (tensor, version, float) of k_scale, v_scale
-        FlashInferBackend.register_layer(self)
-
-    def _check_capabilities(self, caps: Capabilities) -> None:
-        if self.alibi_slopes is not None:
-            raise NotImplementedError(
-                "the 'flashinfer' backend does not support alibi_slopes: FlashInfer 0.7's batch wrappers "
-                "apply their own fixed slopes (pos_encoding_mode='ALIBI') and take no per-head slopes")
-        super()._check_capabilities(caps)
 
     def set_query_dtype(self, dtype: torch.dtype) -> None:
         """From the next `build` on, every step plans this layer for `dtype` queries."""
@@ -390,79 +419,54 @@ class FlashInferImpl(AttentionImpl):
             logits_soft_cap=float(self.logits_soft_cap or 0.0), attn_type=self.attn_type, q_dtype=q_dtype,
             kv_dtype=q_dtype if no_cache else kv_cache_dtype(self.kv_cache_dtype, q_dtype))
 
-    def _forward(self, q, k, v, kv_cache, md: FlashInferMetadata, k_scale, v_scale, out) -> None:
-        """q/out: [T, Hq, D] fp16/bf16; k/v: [Tk, Hkv, D] or None; kv_cache: (num_blocks, 2, bs, Hkv, D)."""
-        if not isinstance(md, FlashInferMetadata) or md.plans is None:
-            raise TypeError(f"expected metadata from the flashinfer builder or state, got {type(md).__name__}")
+    def _attend(self, q, out, call: AttendCall, kv_cache, scales) -> None:
+        """q/out: [Tc, Hq, D] fp16/bf16; kv_cache: (num_blocks, 2, bs, Hkv, D), or None for a
+        call over the step's own K/V (`call.k`/`call.v` [Tk, Hkv, D])."""
+        part = call.md
+        if not isinstance(part, FlashInferMetadata) or part.plans is None:
+            raise TypeError(f"expected metadata from the flashinfer builder or state, got {type(part).__name__}")
         self.q_dtypes.add(q.dtype)
         spec = self.spec(q.dtype)
-        kind, cached = self.attn_type, kv_cache.numel() > 0
-        if kind in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
-            _wrapper(md, Role.RAGGED, spec).run(q, k, v, out=out)
-            return
-        if not cached:  # profiling: attend over the step's own tokens
-            if kind is AttentionType.ENCODER_DECODER and md.num_decode_tokens:
-                raise ValueError("cross-attention decode needs the encoder K/V in the cache, got an empty kv_cache")
-            role = Role.RAGGED if kind is AttentionType.ENCODER_DECODER else Role.RAGGED_CAUSAL
-            _wrapper(md, role, spec).run(q, k, v, out=out)
-            return
-        k_cache, v_cache = kv_cache[:, 0], kv_cache[:, 1]  # [num_blocks, bs, Hkv, D] strided views
-        if kind is AttentionType.DECODER:
-            store_kv(k, v, k_cache, v_cache, md.slot_mapping, k_scale, v_scale)
-        elif k is not None and md.cross_slot_mapping is not None:
-            store_kv(k, v, k_cache, v_cache, md.cross_slot_mapping, k_scale, v_scale)
-        p = md.num_prefill_tokens
-        for part, role in _part_roles(md, spec):
-            rows = slice(None, p) if part.num_prefills else slice(p, None)
-            self._run_paged(_wrapper(part, role, spec), q[rows], kv_cache, out[rows], k_scale, v_scale)
-
-    def _run_paged(self, wrapper, q, kv_cache, out, k_scale, v_scale) -> None:
-        if kv_cache.dtype not in FP8_DTYPES:
+        wrapper = _wrapper(part, _role(call.source, call.is_prefill_part, self.attn_type), spec)
+        if call.source is Source.STEP:
+            wrapper.run(q, call.k, call.v, out=out)
+        elif scales is None:
             wrapper.run(q, kv_cache, out=out)
-            return
-        ks, vs = self._host_scale(0, k_scale), self._host_scale(1, v_scale)
-        scales = {}
+        else:
+            self._run_fp8(wrapper, q, kv_cache, out, scales)
+
+    def _run_fp8(self, wrapper, q, kv_cache, out, scales) -> None:
+        ks, vs = scales.host()
+        run_scales = {}
         if ks is None:  # in a capture, a scale tensor never read: apply it on the device
-            torch.mul(q, k_scale, out=out)  # s = sm_scale * (q * k_scale) . k_stored
+            torch.mul(q, scales.k, out=out)  # s = sm_scale * (q * k_scale) . k_stored
             q = out
         else:
-            scales["k_scale"] = ks
+            run_scales["k_scale"] = ks
         if vs is not None:
-            scales["v_scale"] = vs
-        wrapper.run(q, kv_cache, out=out, **scales)
+            run_scales["v_scale"] = vs
+        wrapper.run(q, kv_cache, out=out, **run_scales)
         if vs is None:
-            out.mul_(v_scale)
-
-    def _host_scale(self, which: int, scale) -> float | None:
-        """`scale` as a Python float. A tensor is read once (one sync) and again only after an
-        in-place change (its version counter moved); None when it must be read during a CUDA
-        graph capture, where reading is not allowed."""
-        if not isinstance(scale, torch.Tensor):
-            return float(scale)
-        cached = self._scales[which]
-        if cached is not None and cached[0] is scale and cached[1] == scale._version:
-            return cached[2]
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        value = float(scale)
-        self._scales[which] = (scale, scale._version, value)
-        return value
+            out.mul_(scales.v)
 
 
 def _wrapper(part: FlashInferMetadata, role: Role, spec: LayerSpec):
-    """The wrapper planned for (role, spec); plans it now if the step has not (never while a
-    CUDA graph is being captured: a plan is host work the graph would not repeat)."""
+    """The wrapper planned for (role, spec). A layer the step did not plan (not given to
+    `set_layers`, or its dtype not known then) is planned now, outside CUDA-graph capture only,
+    and its spec remembered, so later steps plan it in `build`."""
     wrapper = part.plans.get(role, spec)
     if wrapper is not None:
         return wrapper
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
-            f"flashinfer: no {role.value} plan for {spec} in this CUDA-graph capture; run the layer "
-            "once eagerly (warm-up) before capturing, so the capture metadata plans it")
+            f"flashinfer: no {role.value} plan for {spec} in this CUDA-graph capture; give the model's "
+            "layers to state.set_layers(...), or run the layer once eagerly (warm-up) before capturing")
     wrapper = _ensure_plan(part, role, spec)
     if wrapper is None:
         raise ValueError(
             f"{spec.attn_type.name} attention needs "
             f"{'cross_block_tables and encoder lengths' if spec.attn_type is AttentionType.ENCODER_DECODER else 'encoder lengths'}"
             ": build with ScheduledSeq(encoder_len=..., cross_block_table=...)")
+    if part.layers is not None:
+        part.layers.met.add(spec)
     return wrapper

@@ -1,0 +1,364 @@
+"""`AttentionImpl`: one layer's attention, and the one `forward` every backend shares.
+
+`forward` is a template (API.md section 3):
+1. check the inputs against the layer and the step (shapes, dtypes, the cache's layout, and the
+   step's largest block id against the cache's pool: host ints, no synchronisation);
+2. take the step's FP8 scales (`KVScales`, one per layer);
+3. store the step's K/V once, at `slot_mapping` (DECODER) or `cross_slot_mapping`
+   (ENCODER_DECODER), through `_store` on the K/V views `Backend.split_kv_cache` gives;
+4. resolve where each query attends (`AttendCall`s: the cache through the step's block tables,
+   the cache through the cross tables, or the step's own K/V rows);
+5. call the backend's `_attend` for each.
+A backend implements `_attend` (and `_store` when it has its own store kernel); backends that
+run the prefill and decode parts of a step separately set `split_parts`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from pagedattn.attention.kv_scales import KVScales, Scale
+from pagedattn.attention.metadata import AttentionMetadata
+from pagedattn.attention.types import AttentionType
+from pagedattn.dtypes import FP8_DTYPES, KV_CACHE_DTYPE_NAMES, kv_cache_dtype
+from pagedattn.kv_cache import store_kv
+
+
+class Source(enum.Enum):
+    """Where an `AttendCall`'s keys and values come from."""
+
+    CACHE = "cache"  # the sequences' blocks: block_tables, seq_lens (DECODER)
+    CROSS_CACHE = "cross_cache"  # the encoder's blocks: cross_block_tables, encoder lengths (ENCODER_DECODER)
+    STEP = "step"  # the step's own K/V rows (encoders; profiling runs with an empty cache)
+
+
+@dataclass(frozen=True)
+class AttendCall:
+    """The queries `q[rows]` of the sequences of `md` over one source of keys/values.
+
+    Sequence b's queries are rows `query_start_loc[b]..query_start_loc[b+1]` of `q[rows]`; it
+    has `kv_lens[b]` keys: through `block_tables[b]` in the cache views `k`/`v`
+    (`[num_blocks, block_size, Hkv, D]`), or, for `Source.STEP`, rows
+    `kv_start_loc[b]..` of the step's `k`/`v` (`[Tk, Hkv, D]`). Causal calls are bottom-right
+    aligned (a query at row i of a sequence of q_len queries and kv_len keys is at position
+    kv_len - q_len + i).
+    """
+
+    md: AttentionMetadata  # the whole step, or its prefill or decode view
+    rows: slice
+    source: Source
+    causal: bool
+    query_start_loc: torch.Tensor  # int32 [B+1]
+    max_query_len: int
+    kv_lens: torch.Tensor  # int32 [B]
+    max_kv_len: int
+    block_tables: torch.Tensor | None  # int32 [B, W] (cache sources)
+    kv_start_loc: torch.Tensor | None  # int32 [B+1] (Source.STEP)
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def is_prefill_part(self) -> bool:
+        return self.md.num_prefills > 0
+
+
+class AttentionImpl:
+    """One layer's attention. Construction validates every option against the backend's
+    `Capabilities`; `forward` writes the step's K/V into the cache, then attends.
+
+    Subclasses set `backend` and implement `_attend`.
+    """
+
+    backend: type  # the AttentionBackend
+    split_parts: bool = False  # attend a mixed step's prefill and decode parts in separate calls
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | torch.Tensor | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: AttentionType = AttentionType.DECODER,
+    ):
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(
+                f"expected num_heads to be a positive multiple of num_kv_heads, got {num_heads} and {num_kv_heads}"
+            )
+        if head_size < 1:
+            raise ValueError(f"expected head_size >= 1, got {head_size}")
+        if not isinstance(attn_type, AttentionType):
+            raise ValueError(f"expected attn_type to be a pagedattn.AttentionType, got {attn_type!r}")
+        if kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
+            raise ValueError(f"expected kv_cache_dtype in {list(KV_CACHE_DTYPE_NAMES)}, got {kv_cache_dtype!r}")
+        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+            raise ValueError(f"expected sliding_window >= 1 or None, got {sliding_window!r}")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"expected logits_soft_cap > 0 or None, got {logits_soft_cap}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.alibi_slopes = _slopes(alibi_slopes, num_heads)
+        self.sliding_window = sliding_window
+        self.kv_cache_dtype = kv_cache_dtype
+        self.logits_soft_cap = logits_soft_cap
+        self.attn_type = attn_type
+        self.kv_scales = KVScales()
+        self._alibi_on: dict[torch.device, torch.Tensor] = {}
+        self._check_semantics()
+        self._check_capabilities(self.backend.capabilities)
+
+    def _check_semantics(self) -> None:
+        if self.attn_type is not AttentionType.DECODER and self.sliding_window is not None:
+            raise ValueError(f"sliding_window is defined for DECODER attention only, got attn_type={self.attn_type.name}")
+        if self.attn_type is AttentionType.ENCODER_DECODER and self.alibi_slopes is not None:
+            raise ValueError("ALiBi is not defined for cross-attention (ENCODER_DECODER): positions do not compare")
+
+    def _check_capabilities(self, caps) -> None:
+        name = self.backend.get_name()
+        refusals = []
+        if caps.head_sizes and self.head_size not in caps.head_sizes:
+            refusals.append(f"head_size={self.head_size} (supported: {list(caps.head_sizes)})")
+        if self.kv_cache_dtype not in caps.kv_cache_dtypes:
+            refusals.append(f"kv_cache_dtype={self.kv_cache_dtype!r} (supported: {list(caps.kv_cache_dtypes)})")
+        if self.attn_type not in caps.attn_types:
+            refusals.append(f"attn_type={self.attn_type.name} (supported: {[t.name for t in caps.attn_types]})")
+        if self.alibi_slopes is not None and not caps.alibi:
+            refusals.append(f"alibi_slopes{caps.reason('alibi')}")
+        if self.sliding_window is not None and not caps.sliding_window:
+            refusals.append(f"sliding_window{caps.reason('sliding_window')}")
+        if self.logits_soft_cap is not None and not caps.logits_soft_cap:
+            refusals.append(f"logits_soft_cap{caps.reason('logits_soft_cap')}")
+        if refusals:
+            raise NotImplementedError(f"the {name!r} backend does not support: {', '.join(refusals)}")
+
+    def set_query_dtype(self, dtype: torch.dtype) -> None:
+        """Declare the dtype of the queries `forward` will get (the model's dtype).
+
+        Optional. Backends that plan ahead (FlashInfer plans its kernels in `build`) plan this
+        layer from the next step on. Refuses a dtype the backend cannot run, as `forward` would.
+        """
+        dtypes = self.backend.capabilities.dtypes
+        if dtype not in dtypes:
+            raise TypeError(f"the {self.backend.get_name()!r} backend expects a query dtype in {list(dtypes)}, got {dtype}")
+
+    # ------------------------------------------------------------------ forward (the template)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        k_scale: Scale = 1.0,
+        v_scale: Scale = 1.0,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Write `key`/`value` into `kv_cache` at the step's slots, then attend.
+
+        Args:
+            query: [T, Hq*D] or [T, Hq, D] in fp32/fp16/bf16.
+            key, value: [Tk, Hkv*D] or [Tk, Hkv, D] in the query's dtype; None only for
+                cross-attention reading the cache. Tk is T, or the encoder tokens for
+                ENCODER and ENCODER_DECODER.
+            kv_cache: one layer's cache of `get_kv_cache_shape(...)`, or numel 0 (profiling).
+            k_scale, v_scale: FP8 scales, floats or 0-dim float32 tensors.
+            output: [T, Hq*D] in the query's dtype; written in place and returned.
+        Returns:
+            [T, Hq*D].
+        """
+        md = attn_metadata
+        q, k, v = self._check_inputs(query, key, value, kv_cache, md)
+        out = self._check_output(output, q)
+        o = out.view(q.shape)
+        cached = kv_cache.numel() > 0 and self.attn_type in (AttentionType.DECODER, AttentionType.ENCODER_DECODER)
+        k_cache = v_cache = None
+        scales = None
+        if cached:
+            if kv_cache.dtype in FP8_DTYPES:
+                scales = self.kv_scales.update(k_scale, v_scale, kv_cache.device)
+            k_cache, v_cache = self.backend.split_kv_cache(kv_cache)
+            slots, cross = (md.slot_mapping, False) if self.attn_type is AttentionType.DECODER else (md.cross_slot_mapping, True)
+            if k is not None and slots is not None:
+                self._store(k, v, k_cache, v_cache, slots, scales, md, cross)
+        for call in self._calls(q, k, v, k_cache, v_cache, md):
+            if call.rows.start != call.rows.stop:
+                self._attend(q[call.rows], o[call.rows], call, kv_cache if cached else None, scales)
+        return out
+
+    def _store(self, k, v, k_cache, v_cache, slots: torch.Tensor, scales: KVScales | None,
+               md: AttentionMetadata, cross: bool) -> None:
+        """Write k/v [Tk, Hkv, D] at `slots` int64 [Tk] (-1: nowhere) of the cache views
+        [num_blocks, block_size, Hkv, D]. The PyTorch store, with its plan kept for the step."""
+        plan = md.cross_store_plan() if cross else md.store_plan()
+        ks, vs = (scales.k, scales.v) if scales is not None else (1.0, 1.0)
+        store_kv(k, v, k_cache, v_cache, slots, ks, vs, plan)
+
+    def _attend(self, q: torch.Tensor, out: torch.Tensor, call: AttendCall, kv_cache: torch.Tensor | None,
+                scales: KVScales | None) -> None:
+        """Attend `q` [Tc, Hq, D] as `call` says, into `out` [Tc, Hq, D]. `kv_cache` is the
+        layer's whole cache (None when the call reads the step's rows or the cache is empty);
+        `scales` the FP8 scales (None unless the cache is FP8)."""
+        raise NotImplementedError
+
+    def alibi_slopes_on(self, device: torch.device) -> torch.Tensor | None:
+        """The ALiBi slopes float32 [Hq] on `device` (copied once), or None."""
+        if self.alibi_slopes is None:
+            return None
+        if device not in self._alibi_on:
+            self._alibi_on[device] = self.alibi_slopes.to(device)
+        return self._alibi_on[device]
+
+    # ------------------------------------------------------------------ sources
+
+    def _calls(self, q, k, v, k_cache, v_cache, md: AttentionMetadata) -> list[AttendCall]:
+        kind, every = self.attn_type, slice(0, q.shape[0])
+        if kind is AttentionType.ENCODER_ONLY:
+            loc = md.query_start_loc
+            return [AttendCall(md, every, Source.STEP, False, loc, md.max_query_len, _lengths(loc),
+                               md.max_query_len, None, loc, k, v)]
+        if kind is AttentionType.ENCODER:
+            loc = md.encoder_seq_start_loc
+            lens = md.encoder_seq_lens_tensor[: md.num_prefills]
+            return [AttendCall(md, every, Source.STEP, False, loc, md.max_encoder_seq_len, lens,
+                               md.max_encoder_seq_len, None, loc, k, v)]
+        if k_cache is None:  # profiling with an empty cache: attend over the step's own K/V
+            if kind is AttentionType.DECODER:
+                loc = md.query_start_loc
+                return [AttendCall(md, every, Source.STEP, True, loc, md.max_query_len, _lengths(loc),
+                                   md.max_query_len, None, loc, k, v)]
+            if md.num_decode_tokens:
+                raise ValueError("cross-attention decode needs the encoder K/V in the cache, got an empty kv_cache")
+            lens = md.encoder_seq_lens_tensor[: md.num_prefills]
+            return [AttendCall(md, every, Source.STEP, False, md.query_start_loc, md.max_query_len, lens,
+                               md.max_encoder_seq_len, None, md.encoder_seq_start_loc, k, v)]
+        cross = kind is AttentionType.ENCODER_DECODER
+        if cross and md.cross_block_tables is None:
+            raise ValueError("ENCODER_DECODER attention over the cache needs cross block tables: "
+                             "build with ScheduledSeq(encoder_len=..., cross_block_table=...)")
+        if not (self.split_parts and md.num_prefills and md.num_decode_tokens):
+            return [self._cache_call(md, every, md.max_query_len, cross, k_cache, v_cache)]
+        p = md.num_prefill_tokens
+        return [self._cache_call(md.prefill_metadata, slice(0, p), md.max_query_len, cross, k_cache, v_cache),
+                self._cache_call(md.decode_metadata, slice(p, q.shape[0]), 1, cross, k_cache, v_cache)]
+
+    @staticmethod
+    def _cache_call(part: AttentionMetadata, rows: slice, max_query_len: int, cross: bool, k_cache, v_cache) -> AttendCall:
+        if cross:
+            return AttendCall(part, rows, Source.CROSS_CACHE, False, part.query_start_loc, max_query_len,
+                              part.encoder_seq_lens_tensor, part.max_encoder_seq_len, part.cross_block_tables,
+                              None, k_cache, v_cache)
+        max_kv = max(part.max_prefill_seq_len, part.max_decode_seq_len)
+        return AttendCall(part, rows, Source.CACHE, True, part.query_start_loc, max_query_len,
+                          part.seq_lens_tensor, max_kv, part.block_tables, None, k_cache, v_cache)
+
+    # ------------------------------------------------------------------ checks
+
+    def _query_tokens(self, md: AttentionMetadata) -> int:
+        return md.num_encoder_tokens if self.attn_type is AttentionType.ENCODER else md.num_tokens
+
+    def _kv_tokens(self, md: AttentionMetadata) -> int:
+        return md.num_encoder_tokens if self.attn_type is AttentionType.ENCODER_DECODER else self._query_tokens(md)
+
+    def _check_inputs(self, query, key, value, kv_cache, md):
+        if not isinstance(md, AttentionMetadata):
+            raise TypeError(f"expected AttentionMetadata, got {type(md).__name__}")
+        dtypes = self.backend.capabilities.dtypes
+        if query.dtype not in dtypes:
+            raise TypeError(f"expected query dtype in {list(dtypes)}, got {query.dtype}")
+        if self.attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_DECODER) and md.encoder_seq_lens is None:
+            raise ValueError(f"{self.attn_type.name} attention needs encoder lengths: build with ScheduledSeq(encoder_len=...)")
+        t = self._query_tokens(md)
+        q = _heads_view("query", query, t, self.num_heads, self.head_size)
+        if (key is None) != (value is None):
+            raise ValueError("expected key and value both given or both None")
+        if key is None:
+            if self.attn_type is not AttentionType.ENCODER_DECODER:
+                raise ValueError(f"key/value may be None only for ENCODER_DECODER, got attn_type={self.attn_type.name}")
+            if kv_cache.numel() == 0:
+                raise ValueError("cross-attention with key=None reads the cache, got an empty kv_cache")
+            k = v = None
+        else:
+            tk = self._kv_tokens(md)
+            k = _heads_view("key", key, tk, self.num_kv_heads, self.head_size)
+            v = _heads_view("value", value, tk, self.num_kv_heads, self.head_size)
+            for name, x in (("key", k), ("value", v)):
+                if x.dtype != query.dtype or x.device != query.device:
+                    raise TypeError(f"expected {name} {query.dtype} on {query.device}, got {x.dtype} on {x.device}")
+        if kv_cache.numel() and self.attn_type in (AttentionType.DECODER, AttentionType.ENCODER_DECODER):
+            self._check_kv_cache(kv_cache, query, md)
+        return q, k, v
+
+    def _check_kv_cache(self, kv_cache: torch.Tensor, query: torch.Tensor, md: AttentionMetadata) -> None:
+        expected_dtype = kv_cache_dtype(self.kv_cache_dtype, query.dtype)
+        if kv_cache.dtype != expected_dtype:
+            raise TypeError(
+                f"expected kv_cache dtype {expected_dtype} (kv_cache_dtype={self.kv_cache_dtype!r}, "
+                f"query {query.dtype}), got {kv_cache.dtype}"
+            )
+        if kv_cache.device != query.device:
+            raise ValueError(f"expected kv_cache on {query.device}, got {kv_cache.device}")
+        bd = self.backend.kv_cache_block_dim
+        n = kv_cache.shape[bd] if kv_cache.dim() > bd else 0
+        expected = self.backend.get_kv_cache_shape(n, md.block_size, self.num_kv_heads, self.head_size)
+        if tuple(kv_cache.shape) != tuple(expected):
+            raise ValueError(
+                f"expected kv_cache shape {tuple(expected)} (block_size={md.block_size}, Hkv={self.num_kv_heads}, "
+                f"D={self.head_size}), got {tuple(kv_cache.shape)}"
+            )
+        # Every block a kernel may read or write is named by the step's tables (slots included):
+        # a host int per table, recorded by `build`, against the pool's size.
+        if self.attn_type is AttentionType.DECODER:
+            largest, what = md.max_block_id, "block_tables"
+        else:
+            largest, what = md.max_cross_block_id, "cross_block_tables"
+        if largest >= n:
+            raise IndexError(f"expected block ids in [0, {n}) (the kv_cache's pool), got block {largest} in {what}")
+
+    def _check_output(self, output: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+        t = q.shape[0]
+        if output is None:
+            return q.new_empty(t, self.num_heads * self.head_size)
+        if output.dtype != q.dtype or output.device != q.device:
+            raise TypeError(f"expected output {q.dtype} on {q.device}, got {output.dtype} on {output.device}")
+        if output.numel() != q.numel() or output.shape[0] != t or not output.is_contiguous():
+            raise ValueError(
+                f"expected a contiguous output of [{t}, {self.num_heads * self.head_size}], got {list(output.shape)}"
+            )
+        return output.view(t, self.num_heads * self.head_size)
+
+
+def _lengths(start_loc: torch.Tensor) -> torch.Tensor:
+    return start_loc[1:] - start_loc[:-1]
+
+
+def _heads_view(name: str, x: torch.Tensor, tokens: int, heads: int, head_size: int) -> torch.Tensor:
+    """View `x` as [tokens, heads, head_size], or raise saying what was expected."""
+    ok_2d = x.dim() == 2 and tuple(x.shape) == (tokens, heads * head_size)
+    ok_3d = x.dim() == 3 and tuple(x.shape) == (tokens, heads, head_size)
+    if not (ok_2d or ok_3d):
+        raise ValueError(
+            f"expected {name} of shape [{tokens}, {heads * head_size}] or [{tokens}, {heads}, {head_size}] "
+            f"(tokens from the metadata), got {list(x.shape)}"
+        )
+    if x.stride(-1) != 1:
+        raise ValueError(f"expected {name} with a unit stride in its last dimension, got strides {x.stride()}")
+    return x.unflatten(1, (heads, head_size)) if ok_2d else x
+
+
+def _slopes(alibi_slopes, num_heads: int) -> torch.Tensor | None:
+    if alibi_slopes is None:
+        return None
+    slopes = torch.as_tensor(alibi_slopes, dtype=torch.float32)
+    if slopes.shape != (num_heads,):
+        raise ValueError(f"expected alibi_slopes of [{num_heads}] (one per query head), got {list(slopes.shape)}")
+    return slopes
