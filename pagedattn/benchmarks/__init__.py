@@ -27,6 +27,8 @@ BENCHMARKS = {b.name: b for b in (
               "our Triton paged-attention kernel against FlashInfer on the same data (GPU)"),
     Benchmark("backends", "pagedattn.benchmarks.backends",
               "every registered backend through impl.forward on identical inputs (GPU)"),
+    Benchmark("overhead", "pagedattn.benchmarks.overhead",
+              "host time of one layer's impl.forward per backend, eager decode, B=1 (CPU or GPU)"),
     Benchmark("engine", "pagedattn.benchmarks.engine",
               "pagedattn.LLM against transformers' generate on the default model: tokens/s, peak memory"),
     Benchmark("engine-gpu", "pagedattn.benchmarks.engine_gpu",
