@@ -43,6 +43,8 @@ import pagedattn
 
 @dataclass(frozen=True)
 class Case:
+    """The timed decode step (one sequence) and how many times it runs."""
+
     num_heads: int = 32
     num_kv_heads: int = 8
     head_size: int = 128
