@@ -3,6 +3,11 @@
 # the kernel benchmark. $OUT (or ./gpu_out) gets summary.txt and logs.tgz (every log, refreshed
 # after each suite: the machine returns at most 8 files). Usage:
 #   bash scripts/gpu_check.sh [suite ...]      suites: torch triton flashinfer kernels bench engine
+#                                              backends overhead engine-bench engine-bench-fi ...
+#
+# overhead: `pagedattn bench overhead --json` (per-layer host time of impl.forward) for this tree and,
+# when ${BASE:-.base}/pagedattn exists (an older checkout, e.g. `git archive 6116b13 pagedattn |
+# tar -x -C .base`), the same file run against that package: before and after in one call.
 #
 # FlashInfer's kernels (scripts/fi_jit.py): AOT modules carried in .fi-aot are installed first; fi-record
 # (the modules the flashinfer suite needs), fi-build (all of them at once, until FI_BUILD_UNTIL
@@ -29,7 +34,7 @@ run() {  # name, time limit (s), command...
 }
 
 ls .fi-aot/fi-aot-*.tar > /dev/null 2>&1 && run fi-install 120 python scripts/fi_jit.py install .fi-aot
-python -m pagedattn.cli info > "$LOGS/info.log" 2>&1
+python -m pagedattn info > "$LOGS/info.log" 2>&1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$LOGS/info.log"
 for s in $suites; do
   case $s in
@@ -37,7 +42,7 @@ for s in $suites; do
       run "$s" "${LIMIT:-240}" python -m pytest tests/backend tests/gpu $([ "$s" = flashinfer ] && echo tests/flashinfer) \
         --backend "$s" --device cuda -q -p no:cacheprovider -n "${WORKERS:-4}" --tb=short -rfEs ;;
     kernels) run kernels 150 python -m pytest tests/kernels/test_kernels_gpu.py -q -p no:cacheprovider ;;
-    bench) run bench 200 python -m pagedattn.cli bench kernels --out "$LOGS/bench.md" ;;
+    bench) run bench 200 python -m pagedattn bench kernels --out "$LOGS/bench.md" ;;
     torch-fp16|torch-bf16|triton-fp16|triton-bf16)
       run "$s" "${LIMIT:-240}" python -m pytest tests/backend tests/gpu --backend "${s%-*}" --dtype "${s#*-}" \
         --device cuda -q -p no:cacheprovider -n 4 ;;
@@ -50,9 +55,15 @@ for s in $suites; do
         --seconds $(( ${FI_BUILD_UNTIL:-480} - SECONDS )) ;;
     fi-pack) run fi-pack 150 python scripts/fi_jit.py pack "$OUT" --tag "${FI_TAG:-$(date +%H%M%S)}" \
         --max-parts $(( 6 - $(ls "$OUT" | grep -c fi-aot) )) ;;
-    backends) run backends 300 python -m pagedattn.cli bench backends --out "$LOGS/backends.md" ;;
-    engine-bench) run engine-bench 170 python -m pagedattn.benchmarks.engine_gpu --backend triton ;;
-    engine-bench-fi) run engine-bench-fi 170 python -m pagedattn.benchmarks.engine_gpu --backend flashinfer ;;
+    backends) run backends 300 python -m pagedattn bench backends --out "$LOGS/backends.md" ;;
+    overhead) run overhead 150 python -m pagedattn bench overhead --json
+      tail -1 "$LOGS/overhead.log" >> "$summary"
+      if [ -d "${BASE:-.base}/pagedattn" ]; then
+        PYTHONPATH="$(cd "${BASE:-.base}" && pwd):$PYTHONPATH" run overhead-base 150 python pagedattn/benchmarks/overhead.py --json
+        tail -1 "$LOGS/overhead-base.log" >> "$summary"
+      fi ;;
+    engine-bench) run engine-bench 170 python -m pagedattn bench engine-gpu --backend triton ;;
+    engine-bench-fi) run engine-bench-fi 170 python -m pagedattn bench engine-gpu --backend flashinfer ;;
   esac
 done
 cat "$LOGS/info.log"

@@ -14,11 +14,12 @@ read plus query and output; TFLOP/s counts 4 * Hq * D per (query, visible key) p
 and rel L2 are against the `triton` backend (rel L2 on the first forward's output). The
 `torch` reference is skipped where a case holds more than TORCH_MAX_KEYS keys.
 
-Run: `pagedattn bench backends --out backends.md`.
+Run: `pagedattn bench backends [--out backends.md] [--backends triton torch ...]`.
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import statistics
 import time
@@ -28,6 +29,8 @@ import torch
 import triton
 
 import pagedattn
+from pagedattn.benchmarks import require_cuda
+from pagedattn.intmath import cdiv
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -58,7 +61,7 @@ CASES = [
 def make_inputs(case: Case, device: torch.device, seed: int = 0) -> dict:
     """Scheduled sequences over shuffled blocks, the K/V pools and the step's q/k/v."""
     lens = case.lens()
-    need = [-(-(c + q) // BLOCK_SIZE) for c, q in lens]
+    need = [cdiv(c + q, BLOCK_SIZE) for c, q in lens]
     perm = torch.randperm(sum(need), generator=torch.Generator().manual_seed(seed)).tolist()
     seqs, at = [], 0
     for (c, q), n in zip(lens, need):
@@ -164,9 +167,6 @@ def _backends(names: list[str] | None) -> tuple[dict, list[str]]:
 
 def run_backend_benchmark(out_path: str | None, backends: list[str] | None = None) -> int:
     """Time every case on every backend, print the table (and write it to `out_path`)."""
-    if not torch.cuda.is_available():
-        print("pagedattn bench backends: no CUDA device here (this benchmark times backends on the GPU)")
-        return 1
     device = torch.device("cuda")
     found, missing = _backends(backends)
     lines = []
@@ -204,3 +204,17 @@ def run_backend_benchmark(out_path: str | None, backends: list[str] | None = Non
         with open(out_path, "w") as f:
             f.write(table)
     return 0
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="also write the markdown table to this file")
+    parser.add_argument("--backends", nargs="+", default=None, metavar="NAME",
+                        help=f"backends to time (default: {' '.join(DEFAULT_BACKENDS)})")
+    args = parser.parse_args(argv)
+    require_cuda(parser.prog)
+    return run_backend_benchmark(args.out, args.backends)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -7,15 +7,20 @@ the CPU, the model's bf16 on CUDA); both decode greedily for exactly `MAX_TOKENS
 (EOS ignored). Both warm up once on a prompt unlike the timed ones, then time `REPEATS` runs
 and report the median: generated tokens per second of wall time, prefill included. Our prefix
 cache is off, so a repeated run recomputes its prompts as transformers does.
+
+Run: `pagedattn bench engine [--device cpu|cuda] [--out rows.json]`.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import resource
 import subprocess
 import sys
 import time
+
+from pagedattn.benchmarks import require_cuda
 
 MAX_TOKENS = 64
 REPEATS = 3
@@ -106,7 +111,8 @@ def run_engine_benchmark(out_path: str | None, device: str = "cpu") -> int:
     for batch in BATCHES:
         for impl in ("pagedattn", "transformers"):
             proc = subprocess.run(
-                [sys.executable, "-m", "pagedattn.benchmarks.engine", impl, str(batch), device, str(threads)],
+                [sys.executable, "-m", "pagedattn.benchmarks.engine", "--device", device,
+                 "--child", impl, str(batch), str(threads)],
                 capture_output=True, text=True, check=False,
             )
             if proc.returncode != 0:
@@ -130,5 +136,21 @@ def run_engine_benchmark(out_path: str | None, device: str = "cpu") -> int:
     return 0
 
 
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--out", default=None, help="also write the rows to this JSON file")
+    # one (implementation, batch, threads) measurement, run by run_engine_benchmark in its own process
+    parser.add_argument("--child", nargs=3, metavar=("IMPL", "BATCH", "THREADS"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.device.startswith("cuda"):
+        require_cuda(parser.prog)
+    if args.child:
+        impl, batch, threads = args.child
+        _child(impl, int(batch), args.device, int(threads))
+        return 0
+    return run_engine_benchmark(args.out, args.device)
+
+
 if __name__ == "__main__":
-    _child(sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
+    raise SystemExit(main())

@@ -2,7 +2,7 @@
 (`generate_batch`) on a small random Llama made on the spot (no weights are downloaded).
 
 64 prompts of 128 random tokens, 128 new tokens each, greedy, EOS ignored, bf16; tokens/s of
-wall time after a warm-up. Run: `python -m pagedattn.benchmarks.engine_gpu [--backend B]`.
+wall time after a warm-up. Run: `pagedattn bench engine-gpu [--backend B]`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import tempfile
 import time
 
 import torch
+
+from pagedattn.benchmarks import require_cuda
 
 CONFIG = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
               num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048,
@@ -62,10 +64,11 @@ def _transformers(model, prompts: list[list[int]]) -> float:
     return sum(len(o.generated_tokens) for o in outs.values()) / (time.perf_counter() - start)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="triton")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    require_cuda(parser.prog)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, CONFIG["vocab_size"], (PROMPT_LEN,), generator=gen).tolist() for _ in range(BATCH)]
     with tempfile.TemporaryDirectory() as folder:
@@ -78,7 +81,8 @@ def main() -> None:
     print(json.dumps({"batch": BATCH, "backend": args.backend, "ours_tokens_per_s": round(ours, 1),
                       "transformers_tokens_per_s": round(theirs, 1), "transformers": how,
                       "ratio": round(ours / theirs, 2) if theirs == theirs else None}))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -12,17 +12,19 @@ causal (only the unmasked half). FlashInfer runs when it imports:
 planned once, `run(q, (k, v))` with the NHD `[num_pages, page_size, Hkv, D]` K and V of the
 same cache.
 
-Run: `python -m pagedattn.kernels.bench [OUT_PATH]` (default kernel_bench.md).
+Run: `pagedattn bench kernels [--out kernel_bench.md]`.
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 import torch
 import triton
 
-from . import SplitKVWorkspace, paged_attention
+from pagedattn.benchmarks import require_cuda
+from pagedattn.intmath import cdiv
+from pagedattn.kernels import SplitKVWorkspace, paged_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -32,7 +34,7 @@ CASES = [("decode B=64 L=4096", 64, 1, 4096), ("decode B=4 L=16384", 4, 1, 16384
 
 def _make_case(num_seqs: int, query_len: int, seq_len: int, device: torch.device):
     g = torch.Generator(device=device).manual_seed(0)
-    pages_per_seq = triton.cdiv(seq_len, BLOCK_SIZE)
+    pages_per_seq = cdiv(seq_len, BLOCK_SIZE)
     num_blocks = num_seqs * pages_per_seq
     kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, generator=g,
                            device=device, dtype=DTYPE)
@@ -83,7 +85,7 @@ def _flashinfer(kv_cache, tables, query, qsl, seq_len, decode: bool):
     return lambda: wrapper.run(query, kv)
 
 
-def run_benchmarks(out_path: str | None = "kernel_bench.md") -> list[dict]:
+def run_benchmarks(out_path: str | None = None) -> list[dict]:
     """Time every case, print a table (and write it to `out_path`), return the rows."""
     device = torch.device("cuda")
     rows = []
@@ -133,5 +135,14 @@ def run_benchmarks(out_path: str | None = "kernel_bench.md") -> list[dict]:
     return rows
 
 
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="also write the markdown table to this file")
+    args = parser.parse_args(argv)
+    require_cuda(parser.prog)
+    run_benchmarks(args.out)
+    return 0
+
+
 if __name__ == "__main__":
-    run_benchmarks(sys.argv[1] if len(sys.argv) > 1 else "kernel_bench.md")
+    raise SystemExit(main())
