@@ -5,6 +5,16 @@ from the innermost `forward_context(md, kv_caches)`. The call goes through the r
 custom op `torch.ops.pagedattn.attention`, opaque to `torch.compile` (so a model compiles with
 `fullgraph=True`) and capturable in CUDA graphs. The op reads the context at run time, which
 is why metadata and caches are not op arguments.
+
+FP8 KV-cache scales. Each layer owns `k_scale` and `v_scale`, 0-dim float32 tensors on the
+device it was built on; an FP8 cache stores `x / scale` and reads `stored * scale`. A scale
+given to the constructor or by `set_kv_scales` (the loader passes a checkpoint's) is fixed.
+A scale left unset is calibrated once: on the layer's first forward that holds a prefill and
+writes a non-empty FP8 cache, before that step's K/V are stored, it becomes
+`max(|x| of the step's keys or values) * KV_SCALE_HEADROOM / (largest finite FP8 value)`,
+computed and written in place on the device (no host synchronisation), then never changes.
+The headroom leaves later tokens twice the first prefill's range before they saturate.
+Caches in the model dtype ignore the scales.
 """
 
 from __future__ import annotations
@@ -18,11 +28,25 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagedattn.attention.backend import AttentionImpl
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.registry import get_backend
 from pagedattn.attention.types import AttentionType
+from pagedattn.dtypes import FP8_DTYPES
 
-__all__ = ["ATTENTION_OP", "Attention", "ForwardContext", "forward_context", "get_forward_context"]
+__all__ = [
+    "ATTENTION_OP",
+    "KV_SCALE_HEADROOM",
+    "Attention",
+    "ForwardContext",
+    "attention_impls",
+    "forward_context",
+    "get_forward_context",
+]
+
+KV_SCALE_HEADROOM = 2.0
+"""A calibrated FP8 scale maps the first prefill's largest |K| (|V|) to 1 / KV_SCALE_HEADROOM
+of the FP8 range."""
 
 
 @dataclass(frozen=True)
@@ -78,8 +102,10 @@ class Attention(nn.Module):
 
     `layer_idx` selects `kv_caches[layer_idx]` of the forward context; `backend` is a registry
     name ("auto" when None). The other options are those of the backend's impl (API.md section 3);
-    `k_scale`/`v_scale` are the layer's FP8 cache scales; `dtype`, the model dtype, lets backends
-    that plan ahead (FlashInfer) plan this layer from its first step (`AttentionImpl.set_query_dtype`).
+    `k_scale`/`v_scale` fix the layer's FP8 cache scales (float or one-element tensor; None:
+    calibrated on the first prefill, see the module docstring); `dtype`, the model dtype, lets
+    backends that plan ahead (FlashInfer) plan this layer from its first step
+    (`AttentionImpl.set_query_dtype`).
     """
 
     def __init__(
@@ -96,8 +122,8 @@ class Attention(nn.Module):
         kv_cache_dtype: str = "auto",
         logits_soft_cap: float | None = None,
         attn_type: AttentionType = AttentionType.DECODER,
-        k_scale: float | torch.Tensor = 1.0,
-        v_scale: float | torch.Tensor = 1.0,
+        k_scale: float | torch.Tensor | None = None,
+        v_scale: float | torch.Tensor | None = None,
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
@@ -109,9 +135,28 @@ class Attention(nn.Module):
         if dtype is not None:
             self.impl.set_query_dtype(dtype)
         self.layer_idx = layer_idx
-        self.k_scale, self.v_scale = k_scale, v_scale
+        # Plain attributes, not buffers: a model's `.to(dtype)` must leave them float32.
+        self.k_scale = torch.ones((), dtype=torch.float32)  # 0-dim float32
+        self.v_scale = torch.ones((), dtype=torch.float32)
+        self.calibrating = {"k": True, "v": True}  # which scales the first FP8 prefill sets
+        self.set_kv_scales(k_scale, v_scale)
         self._id = next(_ids)
         _layers[self._id] = self
+
+    @torch.no_grad()
+    def set_kv_scales(
+        self, k_scale: float | torch.Tensor | None = None, v_scale: float | torch.Tensor | None = None
+    ) -> None:
+        """Fix the FP8 scales given (positive, one element each; a checkpoint's, for instance),
+        in place; a scale set here is never calibrated. None leaves that scale as it is."""
+        for name, value, scale in (("k", k_scale, self.k_scale), ("v", v_scale, self.v_scale)):
+            if value is None:
+                continue
+            value = torch.as_tensor(value, dtype=torch.float32)
+            if value.numel() != 1 or not (torch.isfinite(value).all() and (value > 0).all()):
+                raise ValueError(f"expected {name}_scale to be one finite number > 0, got {value.tolist()}")
+            scale.copy_(value.reshape(()))
+            self.calibrating[name] = False
 
     def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None) -> torch.Tensor:
         return ATTENTION_OP(query, key, value, self._id)
@@ -121,8 +166,34 @@ class Attention(nn.Module):
         if not 0 <= self.layer_idx < len(ctx.kv_caches):
             raise IndexError(f"expected layer_idx < {len(ctx.kv_caches)} caches in the forward context, got {self.layer_idx}")
         kv_cache = ctx.kv_caches[self.layer_idx]
-        return self.impl.forward(query, key, value, kv_cache, ctx.attn_metadata, self.k_scale, self.v_scale)
+        md = ctx.attn_metadata
+        if (
+            key is not None
+            and (self.calibrating["k"] or self.calibrating["v"])
+            and kv_cache.dtype in FP8_DTYPES
+            and kv_cache.numel()
+            and md.num_prefills
+        ):
+            self._calibrate(key, value, kv_cache.dtype)
+        return self.impl.forward(query, key, value, kv_cache, md, self.k_scale, self.v_scale)
+
+    @torch.no_grad()
+    def _calibrate(self, key: torch.Tensor, value: torch.Tensor, cache_dtype: torch.dtype) -> None:
+        """Set the uncalibrated scales from this step's key/value ([T, Hkv*D] or [T, Hkv, D]),
+        on the device: amax * headroom / FP8 max, never below the smallest normal float32."""
+        fp8_max = torch.finfo(cache_dtype).max
+        for name, x, scale in (("k", key, self.k_scale), ("v", value, self.v_scale)):
+            if self.calibrating[name]:
+                amax = x.abs().amax().float()
+                scale.copy_((amax * (KV_SCALE_HEADROOM / fp8_max)).clamp_min(torch.finfo(torch.float32).tiny))
+                self.calibrating[name] = False
 
     def extra_repr(self) -> str:
         i = self.impl
         return f"backend={self.backend.get_name()}, heads={i.num_heads}/{i.num_kv_heads}, head_size={i.head_size}, layer_idx={self.layer_idx}"
+
+
+def attention_impls(model: nn.Module) -> list[AttentionImpl]:
+    """The impl of every `Attention` layer of `model`, in module order (layer order for the
+    models here): what a metadata builder or CUDA-graph state that plans per layer is given."""
+    return [m.impl for m in model.modules() if isinstance(m, Attention)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -93,7 +94,8 @@ class LLM:
         (longer than the context, bigger than the KV pool) gets finish_reason "error" and
         `RequestOutput.error`; the others complete.
         """
-        if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
+        # A flat list of numbers is one prompt of token ids (floats in it are refused per request).
+        if isinstance(prompts, str) or (prompts and all(isinstance(t, numbers.Number) for t in prompts)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:

@@ -1,6 +1,10 @@
 """The continuous-batching engine: config, scheduler, block manager, model runner, sampler.
 
-`pagedattn.LLM` is the public entry point; `LLMEngine` is the step-by-step loop under it.
+`pagedattn.LLM` is the public entry point; `LLMEngine` is the step-by-step loop under it:
+`InputProcessor` turns a request into a `SequenceGroup`; each step, `Scheduler.schedule()`
+emits `ScheduledChunk`s (each with the `ScheduledSeq` the metadata builder gets),
+`ModelRunner.execute()` runs and samples them (`StepResult`s), and `OutputProcessor` appends
+the tokens, finishes, forks and steps beams, and makes the `RequestOutput`s.
 """
 
 from pagedattn.engine.config import EngineConfig

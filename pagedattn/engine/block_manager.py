@@ -17,8 +17,14 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 
-from pagedattn.engine.sequence import SLIDING_FREED, Sequence, SeqStatus
+from pagedattn.attention.types import window_start_block
+from pagedattn.engine.sequence import Sequence, SeqStatus
 from pagedattn.intmath import cdiv
+
+SLIDING_FREED = -1
+"""A block-table entry whose block left the sliding window and was freed. Such entries lie
+below `window_start_block(...)` of every later step, which the metadata builder never reads,
+so the table goes to the builder unchanged; the value only has to be no block id."""
 
 
 class _Pool:
@@ -201,9 +207,9 @@ class BlockManager:
             self._free_out_of_window(seq)
 
     def _free_out_of_window(self, seq: Sequence) -> None:
-        # Every later query sits at position >= num_computed_tokens and sees keys at positions
-        # > query - window, so blocks ending at or before num_computed - window + 1 are dead.
-        dead = max(0, seq.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        # Every later step starts at context_len >= num_computed_tokens: what it cannot see,
+        # the builder drops, with the same function.
+        dead = window_start_block(seq.num_computed_tokens, self.sliding_window, self.block_size)
         for i in range(min(dead, len(seq.block_table))):
             if seq.block_table[i] != SLIDING_FREED:
                 self._decref(seq.block_table[i])

@@ -1,14 +1,17 @@
-"""Runs the model on a scheduled step: KV pools, inputs, metadata, CUDA graphs, multi-step.
+"""Runs the model on a scheduled step: KV pools, inputs, metadata, CUDA graphs, sampling, multi-step.
 
 The KV pool is allocated once: sized from free memory after a profiling run on CUDA
 (`gpu_memory_utilization`), from a fixed budget on the CPU, or fixed by `num_kv_blocks`.
 On the CPU the model's float32 linears are swapped, in place, for oneDNN-prepacked ones.
 Decode-only steps on CUDA replay graphs captured for batch sizes 1, 2, 4, 8, 16, 32, ...
 (steps of 16) up to `max_num_seqs`, through the backend's `AttentionState`.
+A step returns what it sampled (`StepResult`): tokens and log-probabilities, and the full
+log-probabilities of beam-search rows, which the beam step scores itself.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from dataclasses import dataclass
@@ -24,15 +27,29 @@ from pagedattn.engine.config import EngineConfig
 from pagedattn.engine.sampler import Sampler, SamplingBatch
 from pagedattn.engine.sampling_params import SamplingParams
 from pagedattn.engine.scheduler import ScheduledChunk, SchedulerOutput
-from pagedattn.engine.sequence import SLIDING_FREED
 from pagedattn.intmath import cdiv
-from pagedattn.layer import forward_context
+from pagedattn.layer import attention_impls, forward_context
 from pagedattn.models.layers import pack_linears_for_cpu
 
 logger = logging.getLogger(__name__)
 
 _GIB = 1 << 30
 _MAX_SWAP_POOL_RATIO = 4  # the CPU swap pool never exceeds this many times the device pool
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one model step sampled, indexed like `SchedulerOutput.chunks`.
+
+    tokens[i], logprobs[i]: chunk i's draws, one per entry of `chunk.sampling_rows()` (empty
+    for a chunk that is not sampled, and for beams); log-probabilities are the model's, before
+    temperature, top-k and top-p.
+    beam_logprobs: chunk index -> float32 [vocab] log-softmax of a sampled beam chunk's next token.
+    """
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    beam_logprobs: dict[int, torch.Tensor]
 
 
 @dataclass
@@ -58,6 +75,8 @@ class ModelRunner:
         self.builder = backend.get_builder_cls()(
             self.block_size, device, sliding_window=self.spec.builder_sliding_window
         )
+        self.attention_impls = attention_impls(self.model)
+        self.builder.set_layers(self.attention_impls)  # backends that plan per layer plan these
         self.cache_dtype = kv_cache_dtype(config.kv_cache_dtype, self.spec.dtype)
         self.default_generator = torch.Generator(device=device).manual_seed(config.seed)
         self.sampler = Sampler(self.default_generator)
@@ -148,25 +167,56 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
-        """Move blocks, run the step, and return the logits of its sampled rows: float32
-        [num sampled chunks, vocab], in chunk order (None when nothing ran)."""
+    def execute(self, out: SchedulerOutput) -> list[StepResult]:
+        """Move blocks, run the step and sample it: one `StepResult` per model step
+        (`out.num_steps` of them; none when no chunk was scheduled)."""
         self._move_blocks(out)
         if not out.chunks:
-            return None
+            return []
+        if out.num_steps > 1:
+            return self._execute_multistep(out)
         ids, pos, sample_idx, seqs = self._prepare(out.chunks)
-        decode_only = not any(c.is_prefill for c in out.chunks)
-        pad_to = self._graph_size(len(seqs)) if decode_only else None
+        pad_to = self._graph_size(len(seqs)) if out.is_decode_only else None
         md = self.builder.build(seqs, cuda_graph_pad_to=pad_to)
         hidden = self._run(md, ids, pos, pad_to)
-        return self.model.compute_logits(hidden.index_select(0, sample_idx))
+        logits = self.model.compute_logits(hidden.index_select(0, sample_idx))  # [sampled chunks, V]
+        return [self._sample(out.chunks, logits)]
 
-    @torch.inference_mode()
-    def execute_multistep(self, out: SchedulerOutput, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run `out.num_steps` decode steps of a decode-only batch, sampling on the device and
-        advancing the metadata in place between them. Returns token ids int64 [steps, B] and
-        their logprobs float32 [steps, B]."""
-        self._move_blocks(out)
+    def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> StepResult:
+        """logits: float32 [S, V], row j for the j-th chunk that is sampled."""
+        sampled = [i for i, c in enumerate(chunks) if c.sample]  # chunk of each logits row
+        rows = [c.sampling_rows() for c in chunks]
+        flat = [r for chunk_rows in rows for r in chunk_rows]
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        if flat:
+            index = [j for j, i in enumerate(sampled) for _ in rows[i]]  # logits row of each draw
+            batch = SamplingBatch.build(flat, self.spec.vocab_size, self.device)
+            t, lp = self.sampler.sample(logits.index_select(0, self._index(index)), batch)
+            tokens, logprobs = t.tolist(), lp.tolist()
+        beams = [(j, i) for j, i in enumerate(sampled) if chunks[i].group.is_beam]
+        beam_logprobs = {}
+        if beams:
+            full = torch.log_softmax(logits.index_select(0, self._index([j for j, _ in beams])), dim=-1)
+            beam_logprobs = {i: row for (_, i), row in zip(beams, full)}
+        ends = list(itertools.accumulate(len(r) for r in rows))
+        starts = [0, *ends[:-1]]
+        return StepResult(
+            tokens=[tokens[a:b] for a, b in zip(starts, ends)],
+            logprobs=[logprobs[a:b] for a, b in zip(starts, ends)],
+            beam_logprobs=beam_logprobs,
+        )
+
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        """rows as an int64 index tensor on the device."""
+        return torch.tensor(rows, dtype=torch.int64).to(self.device)
+
+    def _execute_multistep(self, out: SchedulerOutput) -> list[StepResult]:
+        """`out.num_steps` decode steps of a decode-only batch, sampling on the device and
+        advancing the metadata in place between them; one host copy of the tokens at the end."""
+        rows = [r for c in out.chunks for r in c.sampling_rows()]
+        assert len(rows) == len(out.chunks), "multi-step batches are plain decodes: one sample per chunk"
+        batch = SamplingBatch.build(rows, self.spec.vocab_size, self.device)
         ids, pos, _, seqs = self._prepare(out.chunks)
         n = len(seqs)
         pad_to = self._graph_size(n)
@@ -182,7 +232,10 @@ class ModelRunner:
             t, lp = self.sampler.sample(self.model.compute_logits(hidden), batch)
             tokens.append(t)
             logprobs.append(lp)
-        return torch.stack(tokens), torch.stack(logprobs)
+        all_tokens, all_logprobs = torch.stack(tokens).tolist(), torch.stack(logprobs).tolist()  # [steps, B]
+        return [
+            StepResult([[x] for x in t], [[x] for x in lp], {}) for t, lp in zip(all_tokens, all_logprobs)
+        ]
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
         # Order matters: swapped-out blocks may be reused by swap-ins and copies of this step.
@@ -199,21 +252,17 @@ class ModelRunner:
 
     def _prepare(self, chunks: list[ScheduledChunk]):
         """Input ids and positions int64 [T], sampled-row indices int64 [S] (one H2D copy), and
-        the step's `[ScheduledSeq]`."""
+        the step's `[ScheduledSeq]` as the scheduler made them."""
         ids: list[int] = []
         positions: list[int] = []
         sample_idx: list[int] = []
-        seqs = []
         for c in chunks:
-            seq = c.seq
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + c.num_tokens
-            ids += seq.token_ids[start:end]
+            start, end = c.scheduled.context_len, c.scheduled.seq_len
+            ids += c.seq.token_ids[start:end]
             positions += range(start, end)
             if c.sample:
                 sample_idx.append(len(ids) - 1)
-            # Blocks freed by the sliding window are never read (the builder drops them).
-            table = [0 if b == SLIDING_FREED else b for b in seq.block_table]
-            seqs.append(ScheduledSeq(seq_len=end, query_len=c.num_tokens, block_table=table))
+        seqs = [c.scheduled for c in chunks]
         flat = torch.tensor(ids + positions + sample_idx, dtype=torch.int64)
         if self.device.type == "cuda":
             flat = flat.pin_memory().to(self.device, non_blocking=True)
@@ -249,6 +298,7 @@ class ModelRunner:
         self._graph_pos = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
         self._graph_out = torch.zeros(max_bs, self.spec.hidden_size, dtype=self.spec.dtype, device=self.device)
         state = self.backend.get_state_cls()(max_bs, self.max_blocks_per_seq, self.block_size, self.device)
+        state.set_layers(self.attention_impls)
         pool = None
         with torch.inference_mode(), state.graph_capture(max_bs):
             for bs in reversed(sizes):  # largest first, so smaller graphs reuse its memory pool

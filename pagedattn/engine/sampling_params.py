@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 _GREEDY_EPS = 1e-5
@@ -41,9 +43,9 @@ class SamplingParams:
         _check_int("max_tokens", self.max_tokens, 1)
         if self.best_of is not None:
             _check_int("best_of", self.best_of, self.n)
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"expected temperature >= 0, got {self.temperature!r}")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+        if not _is_finite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"expected temperature >= 0 (a finite number), got {self.temperature!r}")
+        if not _is_finite(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"expected 0 < top_p <= 1, got {self.top_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             raise ValueError(f"expected top_k == -1 (all tokens) or top_k >= 1, got {self.top_k!r}")
@@ -83,8 +85,10 @@ class SamplingParams:
         return self.best_of if self.best_of is not None else self.n
 
 
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+def _is_finite(x) -> bool:
+    """A real number that is neither NaN nor infinite (NaN compares False, so it would pass
+    every range check and act as greedy)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _check_int(name: str, value, low: int) -> None:

@@ -15,23 +15,48 @@ beam is scored against the others), earlier tokens may be chunked.
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
+from pagedattn.attention.types import ScheduledSeq
 from pagedattn.engine.block_manager import BlockManager
-from pagedattn.intmath import cdiv
+from pagedattn.engine.sampling_params import SamplingParams
 from pagedattn.engine.sequence import Sequence, SequenceGroup, SeqStatus
+from pagedattn.intmath import cdiv
 
 
 @dataclass
 class ScheduledChunk:
-    """Tokens `[num_computed_tokens, num_computed_tokens + num_tokens)` of `seq` in this step."""
+    """Tokens `[context_len, seq_len)` of `seq` in this step.
+
+    `scheduled` is what the metadata builder gets (lengths and `seq.block_table` as of this
+    step); its `is_prefill` is the one prefill-or-decode rule the engine reads.
+    """
 
     seq: Sequence
     group: SequenceGroup
-    num_tokens: int  # the step's query_len for this sequence
+    scheduled: ScheduledSeq
     sample: bool  # the chunk ends at the sequence's last token: its logits are sampled
-    is_prefill: bool  # as the metadata builder classifies it (query_len > 1 or context_len == 0)
+
+    @property
+    def num_tokens(self) -> int:
+        """The step's query_len for this sequence."""
+        return self.scheduled.query_len
+
+    def sampling_rows(self) -> list[tuple[SamplingParams, torch.Generator | None]]:
+        """What the sampler draws for this chunk, one (params, generator) per token: none when
+        the chunk is not sampled or belongs to a beam search (scored on full log-probabilities),
+        `width` when a prompt's sample forks into `best_of`/`n` sequences, else one."""
+        group = self.group
+        if not self.sample or group.is_beam:
+            return []
+        if group.needs_fork:
+            return [(group.params, g) for g in group.generators]
+        return [(group.params, self.seq.generator)]
 
 
 @dataclass
@@ -48,8 +73,12 @@ class SchedulerOutput:
     def num_batched_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
 
+    @property
+    def is_decode_only(self) -> bool:
+        return not any(c.scheduled.is_prefill for c in self.chunks)
 
-Plan = list[tuple[Sequence, int, bool]]  # (sequence, tokens to compute, sample its logits)
+
+Plan = list[tuple[Sequence, ScheduledSeq, bool]]  # (sequence, its step without block table, sample its logits)
 
 
 class Scheduler:
@@ -112,6 +141,13 @@ class Scheduler:
             if group in queue:
                 queue.remove(group)
 
+    def abort_unschedulable(self) -> SequenceGroup:
+        """Fail the head request when nothing could run although requests wait: it can never
+        be scheduled with this configuration (e.g. beams larger than the step budget)."""
+        group = (self.running or list(self.swapped) or list(self.waiting))[0]
+        self.abort(group, f"request {group.request_id} cannot be scheduled under the step budget")
+        return group
+
     def remove_finished(self) -> None:
         self.running = [g for g in self.running if not g.is_finished]
 
@@ -132,7 +168,7 @@ class Scheduler:
         if not out.preempted and not self.swapped:
             self._schedule_waiting(out, budget)
         self.running.sort(key=lambda g: g.arrival_index)
-        out.chunks.sort(key=lambda c: not c.is_prefill)  # stable: prefills first
+        out.chunks.sort(key=lambda c: not c.scheduled.is_prefill)  # stable: prefills first
         out.num_steps = self._num_steps(out)
         return out
 
@@ -174,7 +210,7 @@ class Scheduler:
                 return
             # After swap-in every block is fresh; a shared last block may still need a copy.
             need = self.bm.swap_in_cost(seqs) + sum(
-                max(0, cdiv(self._target(s, n), self.block_size) - len(s.block_table)) + 1 for s, n, _ in plan
+                max(0, cdiv(self._target(st), self.block_size) - len(s.block_table)) + 1 for s, st, _ in plan
             )
             if need > self.bm.num_free_blocks - self.watermark:
                 return
@@ -211,10 +247,9 @@ class Scheduler:
     # ------------------------------------------------------------------ helpers
 
     def _decode_tokens(self, group: SequenceGroup) -> int:
-        seqs = group.live_seqs
-        if all(s.num_uncomputed_tokens == 1 and s.num_computed_tokens > 0 for s in seqs):
-            return len(seqs)
-        return 0
+        """Tokens the group's next step computes if it is a decode of every sequence, else 0."""
+        steps = [_step(s, s.num_uncomputed_tokens) for s in group.live_seqs]
+        return 0 if any(st.is_prefill for st in steps) else len(steps)
 
     def _plan(self, group: SequenceGroup, token_cap: int, seq_cap: int) -> Plan:
         seqs = group.live_seqs
@@ -223,13 +258,13 @@ class Scheduler:
             if len(seqs) > seq_cap:
                 return []
             if sum(remaining) <= token_cap:
-                return [(s, r, True) for s, r in zip(seqs, remaining)]
+                return [(s, _step(s, r), True) for s, r in zip(seqs, remaining)]
             plan: Plan = []
             left = token_cap if self.chunked else 0
             for s, r in zip(seqs, remaining):  # everything but the last tokens, chunked
                 n = min(r - 1, left)
                 if n > 0:
-                    plan.append((s, n, False))
+                    plan.append((s, _step(s, n), False))
                     left -= n
             return plan
         plan = []
@@ -238,20 +273,19 @@ class Scheduler:
             if left <= 0 or len(plan) == seq_cap:
                 break
             if r <= left:
-                plan.append((s, r, True))
+                plan.append((s, _step(s, r), True))
                 left -= r
             elif self.chunked:
-                plan.append((s, left, False))
+                plan.append((s, _step(s, left), False))
                 left = 0
         return plan
 
-    def _target(self, seq: Sequence, num_tokens: int) -> int:
-        """Tokens `seq` needs slots for after this step (lookahead slots for multi-step decodes)."""
-        decode = num_tokens == 1 and seq.num_computed_tokens > 0
-        return seq.num_computed_tokens + num_tokens + (self.lookahead if decode else 0)
+    def _target(self, step: ScheduledSeq) -> int:
+        """Tokens a sequence needs slots for after `step` (lookahead slots for multi-step decodes)."""
+        return step.seq_len + (0 if step.is_prefill else self.lookahead)
 
     def _blocks_needed(self, plan: Plan) -> int:
-        return sum(self.bm.blocks_needed(s, self._target(s, n)) for s, n, _ in plan)
+        return sum(self.bm.blocks_needed(s, self._target(st)) for s, st, _ in plan)
 
     def _min_blocks(self, group: SequenceGroup) -> int:
         """A lower bound of the blocks the group needs to make progress: its longest sequence
@@ -266,11 +300,14 @@ class Scheduler:
         )
 
     def _commit(self, group: SequenceGroup, plan: Plan, out: SchedulerOutput, budget: _Budget) -> None:
-        for seq, n, sample in plan:
-            is_prefill = n > 1 or seq.num_computed_tokens == 0
-            out.copies += self.bm.ensure_slots(seq, self._target(seq, n))
-            out.chunks.append(ScheduledChunk(seq, group, n, sample, is_prefill))
-            budget.tokens -= n
+        if group.metrics.first_scheduled_time is None:
+            group.metrics.first_scheduled_time = time.perf_counter()
+        for seq, step, sample in plan:
+            out.copies += self.bm.ensure_slots(seq, self._target(step))
+            # A copy: the block manager edits `seq.block_table` in place after the step.
+            scheduled = dataclasses.replace(step, block_table=tuple(seq.block_table))
+            out.chunks.append(ScheduledChunk(seq, group, scheduled, sample))
+            budget.tokens -= step.query_len
             budget.seqs -= 1
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
@@ -291,7 +328,7 @@ class Scheduler:
         chunks = out.chunks
         if not self.lookahead or not chunks:
             return 1
-        if any(c.is_prefill or c.group.is_beam for c in chunks):
+        if not out.is_decode_only or any(c.group.is_beam for c in chunks):
             return 1
         room = min(self.max_model_len - len(c.seq) + 1 for c in chunks)
         wanted = max(c.group.params.max_tokens - c.seq.num_output_tokens for c in chunks)
@@ -302,3 +339,8 @@ class Scheduler:
 class _Budget:
     tokens: int
     seqs: int
+
+
+def _step(seq: Sequence, num_tokens: int) -> ScheduledSeq:
+    """`seq` computing its next `num_tokens` tokens (the block table is added at commit)."""
+    return ScheduledSeq(seq_len=seq.num_computed_tokens + num_tokens, query_len=num_tokens)

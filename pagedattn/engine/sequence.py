@@ -12,10 +12,6 @@ import torch
 from pagedattn.engine.outputs import RequestMetrics
 from pagedattn.engine.sampling_params import SamplingParams
 
-SLIDING_FREED = -1
-"""A block-table entry whose block fell out of the sliding window and was freed."""
-
-
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # needs (re)computing from some token on; holds GPU blocks only once admitted
     RUNNING = "running"  # holds GPU blocks

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedattn.layer import Attention
+
 ROPE_TYPES = ("default", "linear", "llama3")
 STACKED_PARAMS = {
     "q_proj": ("qkv_proj", 0),
@@ -23,6 +25,19 @@ STACKED_PARAMS = {
     "up_proj": ("gate_up_proj", 1),
 }
 """Checkpoint module name -> (our StackedLinear, shard index), for every family here."""
+
+KV_SCALE_NAMES = {
+    "self_attn.k_scale": ("k",),
+    "self_attn.v_scale": ("v",),
+    "self_attn.kv_scale": ("k", "v"),  # older checkpoints: one scale for both
+    "self_attn.k_proj.k_scale": ("k",),  # ModelOpt
+    "self_attn.v_proj.v_scale": ("v",),
+    "self_attn.k_proj.output_scale": ("k",),  # Quark, AutoFP8
+    "self_attn.v_proj.output_scale": ("v",),
+}
+"""Names of FP8 KV-cache scales in checkpoints (vLLM's naming, per layer: `model.layers.N.` +
+name) -> which of the layer's scales they set. They are dequantisation scales (`x = stored *
+scale`), as ours, so they are loaded as they are, into `self_attn.attn` of that layer."""
 
 
 def head_size_of(config) -> int:
@@ -219,6 +234,7 @@ def load_weights(
     stacked: checkpoint module name -> (our StackedLinear name, shard index), e.g.
         {"q_proj": ("qkv_proj", 0)}.
     ignore: substrings of checkpoint names to skip (buffers saved by old checkpoints, tied heads).
+    FP8 KV-cache scales (`KV_SCALE_NAMES`) fix the scales of the layer's `pagedattn.Attention`.
     Raises ValueError on an unknown name, a shape mismatch, or parameters left unloaded.
     """
     ignore = tuple(ignore)
@@ -233,6 +249,8 @@ def load_weights(
     loaded = set()
     for ckpt_name, tensor in weights:
         if any(s in ckpt_name for s in ignore):
+            continue
+        if _load_kv_scale(model, ckpt_name, tensor):
             continue
         name, index = ckpt_name, None
         for src, (dst, i) in stacked.items():
@@ -254,3 +272,20 @@ def load_weights(
     if missing:
         shown = ", ".join(missing[:8]) + (f" ... ({len(missing)} in all)" if len(missing) > 8 else "")
         raise ValueError(f"checkpoint is missing weights for {type(model).__name__}: {shown}")
+
+
+def _load_kv_scale(model: nn.Module, ckpt_name: str, tensor: torch.Tensor) -> bool:
+    """Set the FP8 scales `ckpt_name` names (see `KV_SCALE_NAMES`); False when it names none."""
+    for suffix, which in KV_SCALE_NAMES.items():
+        if not ckpt_name.endswith("." + suffix):
+            continue
+        path = ckpt_name[: -len(suffix)] + "self_attn.attn"
+        try:
+            attn = model.get_submodule(path)
+        except AttributeError:
+            attn = None
+        if not isinstance(attn, Attention):
+            raise ValueError(f"checkpoint tensor {ckpt_name!r}: expected a pagedattn.Attention at {path!r}, found none")
+        attn.set_kv_scales(**{f"{w}_scale": tensor for w in which})
+        return True
+    return False

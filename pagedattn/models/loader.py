@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pagedattn.layer import Attention
+from pagedattn.layer import attention_impls
 from pagedattn.models import ARCHITECTURES, UnsupportedModelError, get_model_cls
 from pagedattn.models.default import default_model_path
 from pagedattn.models.gguf_file import read_gguf
@@ -118,9 +118,8 @@ def load_model(
         torch.set_default_dtype(default_dtype)
     net.load_weights(weights)
     net.eval().requires_grad_(False)
-    for module in net.modules():  # backends that plan ahead (FlashInfer) plan from step one
-        if isinstance(module, Attention):
-            module.impl.set_query_dtype(dtype)
+    for impl in attention_impls(net):  # backends that plan ahead (FlashInfer) plan from step one
+        impl.set_query_dtype(dtype)
     return LoadedModel(net, tokenizer, _spec(architecture, config, tokenizer, dtype, extra_eos))
 
 

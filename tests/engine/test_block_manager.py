@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedattn.engine.block_manager import BlockManager
+from pagedattn.engine.block_manager import SLIDING_FREED, BlockManager
+from pagedattn.engine.sequence import Sequence, SeqStatus
 from pagedattn.intmath import cdiv
-from pagedattn.engine.sequence import SLIDING_FREED, Sequence, SeqStatus
 
 
 class Driver:

@@ -33,14 +33,15 @@ def _greedy(engine, prompts, max_tokens=24):
 def _count_moves(engine) -> dict[str, int]:
     """Count the steps that swap out / swap in / copy blocks."""
     counts = {"swap_out": 0, "swap_in": 0, "copies": 0}
-    move = engine.runner._move_blocks
+    schedule = engine.scheduler.schedule
 
-    def counting(out):
+    def counting():
+        out = schedule()
         for key in counts:
             counts[key] += bool(getattr(out, key))
-        move(out)
+        return out
 
-    engine.runner._move_blocks = counting
+    engine.scheduler.schedule = counting
     return counts
 
 

@@ -88,6 +88,22 @@ def test_bad_requests_fail_alone(make_engine):
     assert outputs[0].error is None and len(outputs[0].outputs[0].token_ids) == 8
 
 
+def test_non_integer_token_ids_fail_alone(make_engine):
+    import numpy as np
+
+    engine = make_engine()
+    good = random_prompts((6,), seed=10)[0]
+    prompts = [[1.5, 2], good, [True, 3], [np.float32(2.0), 4], [2.0, 3], [np.int64(5), 6]]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outputs = engine.generate(prompts, [params] * len(prompts))
+    reasons = [o.outputs[0].finish_reason for o in outputs]
+    assert reasons == ["error", "length", "error", "error", "error", "length"]
+    assert "expected token ids to be ints, got 1.5 (float) at index 0" in outputs[0].error
+    assert "got True (bool)" in outputs[2].error
+    assert "(float32)" in outputs[3].error and "(float)" in outputs[4].error
+    assert outputs[5].prompt_token_ids == [5, 6] and type(outputs[5].prompt_token_ids[0]) is int
+
+
 def test_request_larger_than_the_pool_fails_alone(make_engine):
     engine = make_engine(num_kv_blocks=2, block_size=16)  # 32 tokens of KV cache
     prompts = random_prompts((40, 10), seed=8)
@@ -122,6 +138,8 @@ def test_llm_api(tiny):
         assert o.metrics.first_token_time >= o.metrics.arrival_time
     [single] = llm.generate("hello", SamplingParams(temperature=0, max_tokens=5))
     assert single.outputs[0].token_ids == outputs[0].outputs[0].token_ids
+    [flat] = llm.generate([1.5, 2], SamplingParams(temperature=0, max_tokens=5))  # one prompt, refused
+    assert flat.outputs[0].finish_reason == "error" and "expected token ids to be ints" in flat.error
     with pytest.raises(ValueError, match="expected 3 sampling params"):
         llm.generate(["a", "b", "c"], [SamplingParams(), SamplingParams()])
 
@@ -138,6 +156,11 @@ def test_llm_api(tiny):
         (dict(stop=[""]), "stop"),
         (dict(use_beam_search=True, top_k=5), "use_beam_search"),
         (dict(seed="x"), "seed"),
+        (dict(temperature=float("nan")), "temperature >= 0 \\(a finite number\\), got nan"),
+        (dict(temperature=float("inf")), "temperature >= 0 \\(a finite number\\), got inf"),
+        (dict(top_p=float("nan")), "0 < top_p <= 1, got nan"),
+        (dict(top_p=float("inf")), "0 < top_p <= 1, got inf"),
+        (dict(temperature=True), "temperature"),
     ],
 )
 def test_sampling_params_validation(kwargs, match):

@@ -136,3 +136,23 @@ def test_beam_groups_sample_in_lockstep():
     beams = [c for c in out.chunks if c.group is group]
     assert len(beams) == 3 and all(c.sample for c in beams)
     assert sum(c.num_tokens for c in out.chunks if c.group is filler) == 2
+
+
+def test_chunks_carry_the_scheduled_seq_the_builder_gets():
+    from pagedattn.attention.types import ScheduledSeq
+
+    s = make(tokens=16, block_size=4)
+    a, b = add(s, 10), add(s, 10, 100)
+    out = step(s)  # a whole, b chunked
+    assert [c.scheduled for c in out.chunks] == [
+        ScheduledSeq(10, 10, tuple(a.seqs[0].block_table)),
+        ScheduledSeq(6, 6, tuple(b.seqs[0].block_table)),
+    ]
+    assert not out.is_decode_only
+    out = step(s)  # b's last 4 prompt tokens (a prefill over a cached prefix), then a's decode
+    assert [(c.scheduled.context_len, c.scheduled.query_len, c.scheduled.is_prefill) for c in out.chunks] == [
+        (6, 4, True),
+        (10, 1, False),
+    ]
+    out = step(s)
+    assert out.is_decode_only and all(not c.scheduled.is_prefill for c in out.chunks)

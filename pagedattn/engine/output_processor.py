@@ -1,0 +1,190 @@
+"""After a step: sampled tokens into sequences, stops and finishes, forks, beams, `RequestOutput`s.
+
+For every scheduled chunk the cache now holds its tokens (`BlockManager.mark_computed`). A
+sampled chunk gets its token; the first sample of a request with `best_of`/`n` > 1 forks the
+prompt's sequence into one per completion (blocks shared, copied on write); a beam group takes
+one beam-search step over its beams' log-probabilities. A sequence finishes on a stop string,
+EOS (unless `ignore_eos`), `max_tokens` or the model's context, and its blocks are freed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import torch
+
+from pagedattn.engine.beam_search import beam_step
+from pagedattn.engine.block_manager import BlockManager
+from pagedattn.engine.model_runner import StepResult
+from pagedattn.engine.outputs import CompletionOutput, RequestOutput
+from pagedattn.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from pagedattn.engine.sequence import Sequence, SequenceGroup
+
+
+class OutputProcessor:
+    """Applies `StepResult`s to the scheduler's sequences and reports requests.
+
+    `seq_ids`: the engine's source of sequence ids (forks take new ones).
+    """
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        block_manager: BlockManager,
+        *,
+        tokenizer,
+        eos_token_ids: frozenset[int],
+        max_model_len: int,
+        seq_ids: Iterator[int],
+    ):
+        self.scheduler = scheduler
+        self.block_manager = block_manager
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.seq_ids = seq_ids
+
+    def process(self, out: SchedulerOutput, results: list[StepResult]) -> None:
+        """Apply the step's results (one per model step, see `ModelRunner.execute`)."""
+        if not results:  # nothing ran (only swaps, preemptions or errors)
+            return
+        # Model step k computed each chunk's tokens up to seq_len + k (multi-step: a decode per step).
+        for k, result in enumerate(results):
+            for i, c in enumerate(out.chunks):
+                if not c.seq.is_finished:
+                    self.block_manager.mark_computed(c.seq, c.scheduled.seq_len + k)
+                    self._apply(c, result.tokens[i], result.logprobs[i])
+        beams: dict[int, tuple[SequenceGroup, list[int]]] = {}
+        for i in results[0].beam_logprobs:
+            beams.setdefault(id(out.chunks[i].group), (out.chunks[i].group, []))[1].append(i)
+        for group, idx in beams.values():
+            logprobs = torch.stack([results[0].beam_logprobs[i] for i in idx])
+            self._beam_step(group, [out.chunks[i].seq for i in idx], logprobs)
+
+    def _apply(self, c: ScheduledChunk, tokens: list[int], logprobs: list[float]) -> None:
+        """Append a chunk's draws: one token, or the `width` first tokens of a forking prompt."""
+        if not tokens:
+            return
+        group, seq = c.group, c.seq
+        targets = [seq]
+        if group.needs_fork:  # the prompt's one sample becomes `width` sequences
+            for k in range(1, len(tokens)):
+                child = seq.fork(next(self.seq_ids))
+                self.block_manager.fork(seq, child)
+                child.generator = group.generators[k]
+                group.seqs.append(child)
+                targets.append(child)
+            group.forked = True
+        for s, t, lp in zip(targets, tokens, logprobs):
+            self._append_token(group, s, t, lp)
+        _first_token(group)
+
+    def _append_token(self, group: SequenceGroup, seq: Sequence, token: int, logprob: float) -> None:
+        seq.append_token(token, logprob)
+        params = group.params
+        delta = seq.detokenizer.add(token) if seq.detokenizer is not None else ""
+        if delta and params.stop and _truncate_at_stop(seq, delta, params.stop):
+            self.scheduler.finish_seq(seq, "stop")
+            return
+        reason = None
+        if not params.ignore_eos and token in self.eos_token_ids:
+            reason = "stop"
+        elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            if seq.detokenizer is not None:
+                seq.detokenizer.flush()
+            self.scheduler.finish_seq(seq, reason)
+
+    def _beam_step(self, group: SequenceGroup, beams: list[Sequence], logprobs: torch.Tensor) -> None:
+        """logprobs: float32 [len(beams), V], each beam's next-token log-softmax."""
+        params = group.params
+        result = beam_step(
+            beams,
+            logprobs,
+            group.beam_hypotheses,
+            width=params.width,
+            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+            max_tokens=params.max_tokens,
+            max_model_len=self.max_model_len,
+        )
+        group.forked = True
+        # Fork every continuation from its unchanged parent first, then append the tokens.
+        claimed: set[int] = set()
+        new_beams = []
+        for parent, _, _ in result.continuations:
+            if parent in claimed:
+                child = beams[parent].fork(next(self.seq_ids))
+                self.block_manager.fork(beams[parent], child)
+                new_beams.append(child)
+            else:
+                claimed.add(parent)
+                new_beams.append(beams[parent])
+        for i, beam in enumerate(beams):
+            if i not in claimed:
+                self.scheduler.finish_seq(beam, "length")
+        for beam, (_, token, score) in zip(new_beams, result.continuations):
+            beam.token_ids.append(token)
+            beam.cumulative_logprob = score
+        group.seqs = new_beams
+        if result.done:
+            for beam in new_beams:
+                self.scheduler.finish_seq(beam, "length")
+            group.beam_done = True
+        _first_token(group)
+
+    # ------------------------------------------------------------------ outputs
+
+    def outputs(self, groups: list[SequenceGroup]) -> list[RequestOutput]:
+        """The `RequestOutput` of each group, stamping the finish time of those that finished."""
+        now = time.perf_counter()
+        for g in groups:
+            if g.is_finished and g.metrics.finished_time is None:
+                g.metrics.finished_time = now
+        return [self._output(g) for g in groups]
+
+    def _output(self, group: SequenceGroup) -> RequestOutput:
+        params = group.params
+        if group.error is not None:
+            outputs = [CompletionOutput("", [], "error", 0.0) for _ in range(params.n)]
+        elif group.is_beam:
+            hyps = group.beam_hypotheses[: params.n] if group.is_finished else []
+            outputs = [
+                CompletionOutput(self._decode(h.token_ids), h.token_ids, h.finish_reason, h.cumulative_logprob)
+                for h in hyps
+            ]
+        else:
+            seqs = group.seqs
+            if group.is_finished and len(seqs) > params.n:
+                seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
+            outputs = [
+                CompletionOutput(s.text, s.output_token_ids, s.finish_reason, s.cumulative_logprob) for s in seqs
+            ]
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=outputs,
+            finished=group.is_finished,
+            metrics=group.metrics,
+            error=group.error,
+        )
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+
+def _first_token(group: SequenceGroup) -> None:
+    if group.metrics.first_token_time is None:
+        group.metrics.first_token_time = time.perf_counter()
+
+
+def _truncate_at_stop(seq: Sequence, delta: str, stops: list[str]) -> bool:
+    """Cut the text before the first stop string that the new text completes."""
+    text = seq.detokenizer.text
+    found = [i for s in stops if (i := text.find(s, max(0, len(text) - len(delta) - len(s) + 1))) >= 0]
+    if not found:
+        return False
+    seq.detokenizer.truncate(min(found))
+    return True
