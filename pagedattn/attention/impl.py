@@ -54,6 +54,7 @@ class AttendCall:
     query_start_loc: torch.Tensor  # int32 [B+1]
     max_query_len: int
     kv_lens: torch.Tensor  # int32 [B]
+    kv_lens_host: list[int]  # host [B], as `kv_lens` (a CUDA graph's are those it was captured with)
     max_kv_len: int
     block_tables: torch.Tensor | None  # int32 [B, W] (cache sources)
     kv_start_loc: torch.Tensor | None  # int32 [B+1] (Source.STEP)
@@ -224,23 +225,24 @@ class AttentionImpl:
         kind, every = self.attn_type, slice(0, q.shape[0])
         if kind is AttentionType.ENCODER_ONLY:
             loc = md.query_start_loc
-            return [AttendCall(md, every, Source.STEP, False, loc, md.max_query_len, _lengths(loc),
+            return [AttendCall(md, every, Source.STEP, False, loc, md.max_query_len, _lengths(loc), md.query_lens,
                                md.max_query_len, None, loc, k, v)]
         if kind is AttentionType.ENCODER:
             loc = md.encoder_seq_start_loc
-            lens = md.encoder_seq_lens_tensor[: md.num_prefills]
-            return [AttendCall(md, every, Source.STEP, False, loc, md.max_encoder_seq_len, lens,
-                               md.max_encoder_seq_len, None, loc, k, v)]
+            p = md.num_prefills
+            return [AttendCall(md, every, Source.STEP, False, loc, md.max_encoder_seq_len, md.encoder_seq_lens_tensor[:p],
+                               md.encoder_seq_lens[:p], md.max_encoder_seq_len, None, loc, k, v)]
         if k_cache is None:  # profiling with an empty cache: attend over the step's own K/V
             if kind is AttentionType.DECODER:
                 loc = md.query_start_loc
-                return [AttendCall(md, every, Source.STEP, True, loc, md.max_query_len, _lengths(loc),
+                return [AttendCall(md, every, Source.STEP, True, loc, md.max_query_len, _lengths(loc), md.query_lens,
                                    md.max_query_len, None, loc, k, v)]
             if md.num_decode_tokens:
                 raise ValueError("cross-attention decode needs the encoder K/V in the cache, got an empty kv_cache")
-            lens = md.encoder_seq_lens_tensor[: md.num_prefills]
-            return [AttendCall(md, every, Source.STEP, False, md.query_start_loc, md.max_query_len, lens,
-                               md.max_encoder_seq_len, None, md.encoder_seq_start_loc, k, v)]
+            p = md.num_prefills
+            return [AttendCall(md, every, Source.STEP, False, md.query_start_loc, md.max_query_len,
+                               md.encoder_seq_lens_tensor[:p], md.encoder_seq_lens[:p], md.max_encoder_seq_len,
+                               None, md.encoder_seq_start_loc, k, v)]
         cross = kind is AttentionType.ENCODER_DECODER
         if cross and md.cross_block_tables is None:
             raise ValueError("ENCODER_DECODER attention over the cache needs cross block tables: "
@@ -255,11 +257,11 @@ class AttentionImpl:
     def _cache_call(part: AttentionMetadata, rows: slice, max_query_len: int, cross: bool, k_cache, v_cache) -> AttendCall:
         if cross:
             return AttendCall(part, rows, Source.CROSS_CACHE, False, part.query_start_loc, max_query_len,
-                              part.encoder_seq_lens_tensor, part.max_encoder_seq_len, part.cross_block_tables,
-                              None, k_cache, v_cache)
+                              part.encoder_seq_lens_tensor, part.encoder_seq_lens, part.max_encoder_seq_len,
+                              part.cross_block_tables, None, k_cache, v_cache)
         max_kv = max(part.max_prefill_seq_len, part.max_decode_seq_len)
         return AttendCall(part, rows, Source.CACHE, True, part.query_start_loc, max_query_len,
-                          part.seq_lens_tensor, max_kv, part.block_tables, None, k_cache, v_cache)
+                          part.seq_lens_tensor, part.seq_lens, max_kv, part.block_tables, None, k_cache, v_cache)
 
     # ------------------------------------------------------------------ checks
 

@@ -102,7 +102,8 @@ class _Plan:
     kv_rows: torch.Tensor  # int64: paged, [2*B*n] the K then V blocks in the cache viewed as
     # [2 * num_blocks, ...]; dense, [B*Lk] the K/V row of each key
     bias: torch.Tensor  # float32 [B, 1, Lq, Lk]: 0 where the query sees the key, -inf elsewhere
-    key_exists: torch.Tensor  # bool [B, 1, Lk, 1]: the gathered key is one of the sequence's (else zeroed)
+    tail_from: int  # first key column that may not be one of its sequence's (short sequences, block tails)
+    tail_missing: torch.Tensor  # bool [B, Lk - tail_from, 1]: the gathered key is not the sequence's (zeroed)
     has_key: torch.Tensor  # bool [B, 1, Lq, 1]: the query sees at least one key (else its row is 0)
     rel_pos: torch.Tensor | None  # float32 [B, 1, Lq, Lk] key_pos - query_pos (ALiBi only)
     out_rows: torch.Tensor | None  # int64 [Tp] grid cell of each query token; None: decode
@@ -195,6 +196,11 @@ class TorchImpl(AttentionImpl):
         k_pos = torch.arange(lk, device=dev)  # [Lk]
         exists = k_pos < kv_lens[:, None]  # [B, Lk]
         visible = exists[:, None, :]  # [B, 1, Lk]
+        # Keys of every sequence up to the shortest one exist; a graph's host lengths are stale.
+        tail_from = 0 if call.md.use_cuda_graph else min(call.kv_lens_host, default=0)
+        if call.source is not Source.STEP:
+            tail_from = tail_from // block_size * block_size
+        tail_from = min(tail_from, lk)
         if causal:
             visible = visible & (k_pos <= q_pos[..., None])  # [B, Lq, Lk]
         if self.sliding_window is not None:
@@ -210,26 +216,29 @@ class TorchImpl(AttentionImpl):
             tok = torch.arange(t, device=dev)
             seq = torch.searchsorted(qsl[1:], tok, right=True)  # [Tp] sequence of each row
             out_rows = seq * lq + tok - qsl[seq]
-        return _Plan(b, lq, lk, q_rows, kv_rows, bias, exists[:, None, :, None], visible.any(-1)[:, None, :, None],
-                     rel_pos, out_rows)
+        return _Plan(b, lq, lk, q_rows, kv_rows, bias, tail_from, ~exists[:, tail_from:, None],
+                     visible.any(-1)[:, None, :, None], rel_pos, out_rows)
 
 
 def _gather(plan: _Plan, paged: bool, kv) -> tuple[torch.Tensor, torch.Tensor]:
     """The part's keys and values, float32 [B, Hkv, Lk, D] each (strided views of gathered rows),
-    zero where the gathered key is not one of the sequence's (its slot may hold anything).
+    zero where the gathered key is not one of the sequence's (its slot may hold anything, NaN or
+    any FP8 bit pattern): zeroed in the gathered copy, before any arithmetic reads it.
 
     Rows are gathered into the plan's buffers: a fresh multi-MiB tensor per layer would cost
     page faults on the CPU."""
-    b, lk = plan.b, plan.lk
+    b, lk, tail = plan.b, plan.lk, plan.tail_from
     if paged:
         kv_cache, k_scale, v_scale = kv
         pool = raw_bytes(kv_cache).flatten(0, 1).flatten(1)  # [2 * num_blocks, block_size * Hkv * D]: K blocks, V blocks
         rows = torch.index_select(pool, 0, plan.kv_rows, out=plan.buffer("kv", pool, plan.kv_rows.shape[0]))
+        rows.view(2, b, lk, -1)[:, :, tail:].masked_fill_(plan.tail_missing, 0)  # 0 bits: 0.0 in every dtype
         rows = rows.view(kv_cache.dtype).view(2, b, lk, *kv_cache.shape[3:])  # [2, B, Lk, Hkv, D]
         k, v = dequantize(rows[0], k_scale), dequantize(rows[1], v_scale)
     else:
         k, v = (torch.index_select(x, 0, plan.kv_rows, out=plan.buffer(f"kv{i}", x, plan.kv_rows.shape[0]))
-                .float().view(b, lk, *x.shape[1:]) for i, x in enumerate(kv))
-    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, Lk, D]
-    missing = ~plan.key_exists
-    return k.masked_fill_(missing, 0.0), v.masked_fill_(missing, 0.0)  # gathered copies, never the cache
+                for i, x in enumerate(kv))
+        for x in (k, v):
+            x.view(b, lk, -1)[:, tail:].masked_fill_(plan.tail_missing, 0)
+        k, v = (x.float().view(b, lk, *x.shape[1:]) for x in (k, v))
+    return k.transpose(1, 2), v.transpose(1, 2)
