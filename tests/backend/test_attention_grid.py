@@ -30,7 +30,8 @@ def test_catalogue(backend, device, model_dtype, shape):
 @pytest.mark.parametrize("head_size", HEAD_SIZES)
 @pytest.mark.parametrize("shape", shapes("mixed", "gqa_8to1", "many_decodes"), ids=str)
 def test_head_sizes(backend, device, model_dtype, shape, head_size):
-    _run_and_check(make_scenario(backend, shape, head_size=head_size, device=device, dtype=model_dtype, seed=1))
+    _run_and_check(make_scenario(backend, shape, head_size=head_size, device=device,
+                                 dtype=model_dtype, seed=1))
 
 
 @pytest.mark.parametrize("dtype", [DTYPES["fp16"], DTYPES["bf16"]], ids=["fp16", "bf16"])
@@ -65,7 +66,8 @@ def test_key_value_as_views_of_fused_qkv(backend, device, model_dtype):
 def test_same_metadata_serves_every_layer(backend, device, model_dtype):
     """One build per step, shared by all layers: two layers' caches, one metadata."""
     a = make_scenario(backend, shapes("mixed")[0], device=device, dtype=model_dtype, seed=5)
-    b = make_scenario(backend, shapes("mixed")[0], device=device, dtype=model_dtype, seed=5, data_seed=6)
+    b = make_scenario(backend, shapes("mixed")[0], device=device, dtype=model_dtype, seed=5,
+                      data_seed=6)
     assert a.block_tables == b.block_tables and not torch.equal(a.query, b.query)
     md = a.build()
     impl = a.impl()

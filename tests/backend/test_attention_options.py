@@ -38,7 +38,8 @@ def test_sliding_window_wider_than_every_sequence_changes_nothing(backend, devic
 
 
 def test_sliding_window_over_long_chunked_prefill(backend, device, model_dtype):
-    sc = make_scenario(backend, shapes("chunked_prefill")[0], device=device, dtype=model_dtype, seed=12)
+    sc = make_scenario(backend, shapes("chunked_prefill")[0], device=device, dtype=model_dtype,
+                       seed=12)
     on, off = _on_and_off(sc, sliding_window=100, builder_window=100)
     assert_outputs_differ(on, off, 1e-3, "sliding_window=100")
 
@@ -78,7 +79,8 @@ def test_custom_scale(backend, device, model_dtype, scale):
 
 def test_custom_scale_on_long_prefill(backend, device, model_dtype):
     """Prefill kernels must honour the scale too (FlashInfer's prefill once did not)."""
-    sc = make_scenario(backend, shapes("long_prefill")[0], device=device, dtype=model_dtype, seed=17)
+    sc = make_scenario(backend, shapes("long_prefill")[0], device=device, dtype=model_dtype,
+                       seed=17)
     sc.check(sc.run(scale=0.5), scale=0.5)
 
 
@@ -96,8 +98,8 @@ FP8 = ["fp8", "fp8_e4m3", "fp8_e5m2"]
 @pytest.mark.parametrize("scales_as_tensors", [False, True], ids=["float", "tensor"])
 @pytest.mark.parametrize("kv_cache_dtype", FP8)
 def test_fp8_cache(backend, device, model_dtype, kv_cache_dtype, scales_as_tensors):
-    sc = make_scenario(backend, MIXED, device=device, dtype=model_dtype, kv_cache_dtype=kv_cache_dtype, seed=19,
-                       magnitude=3.0)
+    sc = make_scenario(backend, MIXED, device=device, dtype=model_dtype,
+                       kv_cache_dtype=kv_cache_dtype, seed=19, magnitude=3.0)
     assert sc.k_scale != 1.0 and sc.v_scale != 1.0 and sc.k_scale != sc.v_scale
     out = sc.run(scales_as_tensors=scales_as_tensors)
     sc.check(out)
@@ -111,7 +113,8 @@ def test_fp8_cache(backend, device, model_dtype, kv_cache_dtype, scales_as_tenso
 @pytest.mark.parametrize("shape", shapes("single_decode", "chunked_prefill", "block_size_5"),
                          ids=str)
 def test_fp8_cache_shapes(backend, device, model_dtype, shape, kv_cache_dtype):
-    sc = make_scenario(backend, shape, device=device, dtype=model_dtype, kv_cache_dtype=kv_cache_dtype, seed=20)
+    sc = make_scenario(backend, shape, device=device, dtype=model_dtype,
+                       kv_cache_dtype=kv_cache_dtype, seed=20)
     sc.check(sc.run(scales_as_tensors=True))
     sc.check_cache_writes()
 

@@ -44,8 +44,9 @@ def test_random_batches(backend, device, model_dtype, case):
     opts = case["opts"]
     window = opts.get("sliding_window") if case["window_in_builder"] else None
     try:
-        sc = make_scenario(backend, case["shape"], head_size=case["head_size"], device=device, dtype=model_dtype,
-                           kv_cache_dtype=case["kv_cache_dtype"], seed=case["seed"])
+        sc = make_scenario(backend, case["shape"], head_size=case["head_size"], device=device,
+                           dtype=model_dtype, kv_cache_dtype=case["kv_cache_dtype"],
+                           seed=case["seed"])
         out = sc.run(builder_window=window, **opts)
     except pytest.skip.Exception:
         return  # a non-reference backend refused this mix at construction; torch never does

@@ -140,7 +140,8 @@ def test_undefined_option_combinations_raise_at_construction(backend, attn_type,
 
 
 def test_fp8_impl_with_an_unquantised_cache(backend, device, model_dtype):
-    sc = make_scenario(backend, MIXED, device=device, dtype=model_dtype, seed=82)  # cache in the model dtype
+    # the cache in the model dtype
+    sc = make_scenario(backend, MIXED, device=device, dtype=model_dtype, seed=82)
     impl = backend.get_impl_cls()(sc.num_heads, sc.head_size, 0.125, sc.num_kv_heads,
                                   kv_cache_dtype="fp8_e4m3")
     with pytest.raises(ERRORS):

@@ -39,7 +39,8 @@ def test_profiling_call_with_empty_cache(backend, device, model_dtype, lens, kv_
     from cases import Shape
 
     shape = Shape("profile", lens)
-    sc = make_scenario(backend, shape, device=device, dtype=model_dtype, kv_cache_dtype=kv_cache_dtype, seed=32)
+    sc = make_scenario(backend, shape, device=device, dtype=model_dtype,
+                       kv_cache_dtype=kv_cache_dtype, seed=32)
     empty = torch.empty(0, dtype=sc.cache_dtype, device=device)
     out = sc.forward(sc.impl(), sc.build(), kv_cache=empty)
     assert empty.numel() == 0
