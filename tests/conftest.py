@@ -6,7 +6,7 @@
 
 Every test that takes `backend` (or `backend_name`) runs once per backend that
 `pagedattn.list_backends()` names and `--backend` keeps; one that cannot run here is reported
-as a skip with the registry's reason. Availability is read once, when the session starts (the
+as a skip with the registry's reason. Availability is read once, as the session starts (the
 kernel tests set TRITON_INTERPRET later, for themselves). `model_dtype` follows each backend:
 fp32, or bf16 when the backend refuses fp32 (see --dtype). fp16 and bf16 are ordinary dtypes
 on the CPU too, so dtype grids are not restricted to the GPU; the per-dtype tolerances live in
@@ -21,7 +21,12 @@ import torch
 import pagedattn
 from cases import model_dtype_for
 
-_STATUS = pytest.StashKey[dict]()  # backend name -> reasons it cannot run (empty: it can)
+# Read when this file is imported, before any folder's conftest: tests/kernels sets
+# TRITON_INTERPRET for its own kernel tests, which must not turn the triton backend on for the
+# other folders of the same run (whatever paths the command line lists).
+_REASONS = {s.name: s.reasons for s in pagedattn.list_backends()}
+_AUTO = pagedattn.get_backend("auto").get_name()
+_STATUS = pytest.StashKey[dict]()  # selected backend name -> reasons it cannot run
 
 
 def pytest_addoption(parser):
@@ -37,16 +42,13 @@ def pytest_addoption(parser):
 
 
 def _selected_backends(option: str) -> dict[str, list[str]]:
-    statuses = {s.name: s.reasons for s in pagedattn.list_backends()}
+    statuses = _REASONS
     if option == "all":
         return statuses
     chosen = {}
     for name in (n.strip() for n in option.split(",") if n.strip()):
         if name == "auto":
-            try:
-                name = pagedattn.get_backend("auto").get_name()
-            except pagedattn.BackendUnavailableError as e:
-                raise pytest.UsageError(f"--backend auto: {e}") from e
+            name = _AUTO
         if name not in statuses:
             raise pytest.UsageError(
                 f"--backend: expected names from {sorted(statuses)} (or auto, all), got {name!r}")
