@@ -1,46 +1,71 @@
 """Shared pytest options and fixtures.
 
-    pytest tests --backend torch --device cpu        (the defaults)
-    pytest tests --backend triton --device cuda
+    pytest tests                                     (every backend; the CPU by default)
+    pytest tests/backend --backend torch,triton      (a filter: a comma list of names)
+    pytest tests/backend tests/gpu --backend triton --device cuda
 
-`backend` is the class `pagedattn.get_backend(--backend)` returns; a backend that cannot run
-here skips its tests with the registry's reason. fp16 and bf16 are ordinary dtypes on the CPU
-too (torch implements them), so dtype grids are not restricted to the GPU; the per-dtype
-tolerances live in oracle.py (`tolerance_for`), the dtype names in `oracle.DTYPES`.
+Every test that takes `backend` (or `backend_name`) runs once per backend that
+`pagedattn.list_backends()` names and `--backend` keeps; one that cannot run here is reported
+as a skip with the registry's reason. Availability is read once, as the session starts (the
+kernel tests set TRITON_INTERPRET later, for themselves). `model_dtype` follows each backend:
+fp32, or bf16 when the backend refuses fp32 (see --dtype). fp16 and bf16 are ordinary dtypes
+on the CPU too, so dtype grids are not restricted to the GPU; the per-dtype tolerances live in
+oracle.py (`tolerance_for`).
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
-_TESTS = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_TESTS)
-for _p in (_ROOT, _TESTS):  # the package from this checkout; oracle.py / cases.py as modules
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+import pagedattn
+from cases import model_dtype_for
 
+# Read when this file is imported, before any folder's conftest: tests/kernels sets
+# TRITON_INTERPRET for its own kernel tests, which must not turn the triton backend on for the
+# other folders of the same run (whatever paths the command line lists).
+_REASONS = {s.name: s.reasons for s in pagedattn.list_backends()}
+_AUTO = pagedattn.get_backend("auto").get_name()
+_STATUS = pytest.StashKey[dict]()  # selected backend name -> reasons it cannot run
 
 
 def pytest_addoption(parser):
     group = parser.getgroup("pagedattn")
-    group.addoption("--backend", default="torch",
-                    help="attention backend under test: torch, triton, flash_attn, flashinfer, "
-                         "xformers or auto (default: torch)")
+    group.addoption("--backend", default="all",
+                    help="attention backends under test, a comma list of names from "
+                         "pagedattn.list_backends() (or auto), default all; unavailable ones "
+                         "are reported as skips")
     group.addoption("--device", default="cpu", help="device to run on: cpu or cuda (default: cpu)")
     group.addoption("--dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"],
                     help="model dtype of the tests that do not sweep dtypes (default: fp32, or "
                          "bf16 when the backend refuses fp32)")
 
 
+def _selected_backends(option: str) -> dict[str, list[str]]:
+    statuses = _REASONS
+    if option == "all":
+        return statuses
+    chosen = {}
+    for name in (n.strip() for n in option.split(",") if n.strip()):
+        if name == "auto":
+            name = _AUTO
+        if name not in statuses:
+            raise pytest.UsageError(
+                f"--backend: expected names from {sorted(statuses)} (or auto, all), got {name!r}")
+        chosen[name] = statuses[name]
+    return chosen
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "cuda_only: needs --device cuda (cross-device cache operations, graphs)")
-    config.addinivalue_line(
-        "markers", "slow: compiles or runs a larger grid; still part of the default run")
+    config.stash[_STATUS] = _selected_backends(config.getoption("--backend"))
+
+
+def pytest_generate_tests(metafunc):
+    if "backend_name" in metafunc.fixturenames:
+        names = list(metafunc.config.stash[_STATUS])
+        metafunc.parametrize("backend_name", names, indirect=True, scope="session")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -53,8 +78,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def backend_name(pytestconfig) -> str:
-    return pytestconfig.getoption("--backend")
+def backend_name(request) -> str:
+    """A backend name from `pagedattn.list_backends()` (parametrised; see the module doc)."""
+    name = request.param
+    reasons = request.config.stash[_STATUS][name]
+    if reasons:
+        pytest.skip(f"backend {name!r} is unavailable here: {'; '.join(reasons)}")
+    return name
 
 
 @pytest.fixture(scope="session")
@@ -66,30 +96,15 @@ def device(pytestconfig) -> torch.device:
 
 
 @pytest.fixture(scope="session")
-def backend(backend_name, device, pytestconfig):
-    import pagedattn
-
-    import cases
-    from oracle import DTYPES
-
-    try:
-        b = pagedattn.get_backend(backend_name)
-    except pagedattn.BackendUnavailableError as e:
-        pytest.skip(f"backend {backend_name!r} is unavailable here: {e}")
-    name = pytestconfig.getoption("--dtype")
-    if name == "auto":
-        name = next((n for n in ("fp32", "bf16", "fp16")
-                     if cases.dtype_refusal(b, device, DTYPES[n]) is None), "fp32")
-    cases.DEFAULT_DTYPE["dtype"] = DTYPES[name]
-    return b
+def backend(backend_name):
+    """The backend class `pagedattn.get_backend(backend_name)`."""
+    return pagedattn.get_backend(backend_name)
 
 
 @pytest.fixture(scope="session")
-def model_dtype(backend) -> torch.dtype:
+def model_dtype(backend, device, pytestconfig) -> torch.dtype:
     """The dtype tests use when they do not sweep dtypes (see --dtype)."""
-    import cases
-
-    return cases.default_dtype()
+    return model_dtype_for(backend, device, pytestconfig.getoption("--dtype"))
 
 
 @pytest.fixture(autouse=True)

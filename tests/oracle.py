@@ -1,4 +1,4 @@
-"""Dense float64 reference attention for the acceptance tests.
+"""Dense float64 reference attention (output and LSE) for every test of attention numbers.
 
 The oracle never looks at a paged cache. Tests hand it each sequence's full key/value history
 as dense tensors (the same values they scattered into the cache with their own loop), so a
@@ -10,7 +10,8 @@ Semantics follow shared/API.md section 3, in this order:
     s += slope_h * (key_pos - query_pos)   (ALiBi)
     mask: key_pos <= query_pos (causal) and key_pos > query_pos - W (sliding window W)
     softmax over keys, then the weighted sum of values
-GQA/MQA: query head h reads KV head h // (Hq // Hkv).
+GQA/MQA: query head h reads KV head h // (Hq // Hkv). The LSE is the natural log of the
+softmax denominator, per (query token, head), as kernels that merge partial results report it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ __all__ = [
     "fp8_dequantize",
     "fp8_roundtrip",
     "dense_attention",
+    "dense_attention_with_lse",
+    "rel_l2",
     "assert_attention_close",
     "assert_outputs_differ",
 ]
@@ -96,7 +99,7 @@ def fp8_roundtrip(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype) -> torc
 # ----------------------------------------------------------------------------- attention
 
 
-def dense_attention(
+def dense_attention_with_lse(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -107,15 +110,19 @@ def dense_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     alibi_slopes: Sequence[float] | torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Attention of one sequence, in float64.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one sequence and its log-sum-exp, in float64 on q's device.
 
-    q: [Lq, Hq, D]; k, v: [Lk, Hkv, D] (any float dtype; promoted to float64).
+    q: [Lq, Hq, D]; k, v: [Lk, Hkv, D] (any float dtype, any device; promoted to float64).
     query_pos: absolute position of each query row; keys sit at positions 0..Lk-1. The default
     is bottom-right alignment, `Lk - Lq + i`, i.e. the queries are the last Lq tokens.
-    Returns [Lq, Hq, D] float64.
+    Returns (out [Lq, Hq, D] float64, lse [Lq, Hq] float64), lse the natural log of the sum of
+    exp(score) over the keys the query sees. A query that sees no key gets out 0 and lse -inf.
+    NaN/Inf in q, or in a key/value the query sees, reach that query's row; a key or value the
+    query does not see never does (it is left out before the matmul, as a backend must).
     """
-    q, k, v = (t.to(torch.float64) for t in (q, k, v))
+    dev = q.device
+    q, k, v = (t.to(dev, torch.float64) for t in (q, k, v))
     lq, hq, d = q.shape
     lk, hkv, _ = k.shape
     assert hq % hkv == 0, f"expected Hq a multiple of Hkv, got {hq} and {hkv}"
@@ -124,11 +131,10 @@ def dense_attention(
     k = k.repeat_interleave(group, dim=1)  # [Lk, Hq, D]
     v = v.repeat_interleave(group, dim=1)  # [Lk, Hq, D]
 
-    if query_pos is None:
-        qpos = torch.arange(lk - lq, lk, dtype=torch.float64)
-    else:
-        qpos = torch.as_tensor(query_pos, dtype=torch.float64)
-    kpos = torch.arange(lk, dtype=torch.float64)
+    f64 = dict(dtype=torch.float64, device=dev)
+    qpos = (torch.arange(lk - lq, lk, **f64) if query_pos is None
+            else torch.as_tensor(query_pos, dtype=torch.float64).to(dev))
+    kpos = torch.arange(lk, **f64)
     rel = kpos[None, :] - qpos[:, None]  # [Lq, Lk] key_pos - query_pos
 
     s = torch.einsum("qhd,khd->hqk", q, k) * float(scale)  # [Hq, Lq, Lk]
@@ -136,18 +142,34 @@ def dense_attention(
         c = float(logits_soft_cap)
         s = c * torch.tanh(s / c)
     if alibi_slopes is not None:
-        slopes = torch.as_tensor(alibi_slopes, dtype=torch.float64).cpu().reshape(hq)
+        slopes = torch.as_tensor(alibi_slopes, dtype=torch.float64).to(dev).reshape(hq)
         s = s + slopes[:, None, None] * rel[None]
 
-    allowed = torch.ones(lq, lk, dtype=torch.bool)
+    allowed = torch.ones(lq, lk, dtype=torch.bool, device=dev)
     if causal:
         allowed &= rel <= 0
     if sliding_window is not None:
         allowed &= rel > -int(sliding_window)
-    assert bool(allowed.any(dim=1).all()), "every query must see at least one key"
     s = s.masked_fill(~allowed[None], float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    return torch.einsum("hqk,khd->qhd", p, v)  # [Lq, Hq, D]
+    lse = torch.logsumexp(s, dim=-1)  # [Hq, Lq]; -inf where the query sees no key
+    seen = allowed.any(dim=1)  # [Lq]
+    p = torch.exp(s - lse[..., None]).masked_fill(~seen[None, :, None], 0.0)  # [Hq, Lq, Lk]
+    if bool(torch.isfinite(v).all()):
+        out = torch.einsum("hqk,khd->qhd", p, v)  # [Lq, Hq, D]
+    else:
+        # 0 * NaN is NaN: a non-finite value must be dropped for the queries that cannot see
+        # it, not multiplied by a zero weight, so each query sums over its visible keys only.
+        out = torch.zeros(lq, hq, d, **f64)
+        for i in range(lq):
+            keys = allowed[i].nonzero().flatten()
+            out[i] = torch.einsum("hk,khd->hd", p[:, i, keys], v[keys])
+    return out, lse.transpose(0, 1)
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                    **options) -> torch.Tensor:
+    """`dense_attention_with_lse` without the LSE: out [Lq, Hq, D] float64."""
+    return dense_attention_with_lse(q, k, v, scale=scale, **options)[0]
 
 
 # ----------------------------------------------------------------------------- comparison
@@ -212,3 +234,9 @@ def assert_outputs_differ(a: torch.Tensor, b: torch.Tensor, min_diff: float, wha
     diff = float((a.detach().to("cpu", torch.float64) - b.detach().to("cpu", torch.float64))
                  .abs().max())
     assert diff > min_diff, f"{what} did not change the output (max diff {diff:.3e})"
+
+
+def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref|| in float64 on the CPU."""
+    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))

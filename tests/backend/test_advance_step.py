@@ -18,8 +18,8 @@ def _fresh(sc, seq_lens, pad_to):
 
 
 @pytest.mark.parametrize("pad_to", [None, 8], ids=["no_padding", "graph_padding"])
-def test_advance_step_equals_rebuild(backend, device, pad_to):
-    sc = make_scenario(backend, DECODES, device=device, seed=60, lookahead=STEPS)
+def test_advance_step_equals_rebuild(backend, device, model_dtype, pad_to):
+    sc = make_scenario(backend, DECODES, device=device, dtype=model_dtype, seed=60, lookahead=STEPS)
     b = len(DECODES.lens)
     num_seqs = pad_to or b
     impl = sc.impl()

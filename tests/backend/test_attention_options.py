@@ -24,28 +24,29 @@ def _on_and_off(sc, **opts):
 
 
 @pytest.mark.parametrize("window", [1, 3, 16, 40])
-def test_sliding_window(backend, device, window):
-    sc = make_scenario(backend, MIXED, device=device, seed=10)
+def test_sliding_window(backend, device, model_dtype, window):
+    sc = make_scenario(backend, MIXED, device=device, dtype=model_dtype, seed=10)
     on, off = _on_and_off(sc, sliding_window=window, builder_window=window)
     assert_outputs_differ(on, off, 1e-3, f"sliding_window={window}")
 
 
-def test_sliding_window_wider_than_every_sequence_changes_nothing(backend, device):
-    sc = make_scenario(backend, MIXED, device=device, seed=11)
+def test_sliding_window_wider_than_every_sequence_changes_nothing(backend, device, model_dtype):
+    sc = make_scenario(backend, MIXED, device=device, dtype=model_dtype, seed=11)
     on, off = _on_and_off(sc, sliding_window=10_000, builder_window=10_000)
     tol = tolerance_for(sc.dtype).atol / 10
     torch.testing.assert_close(on, off, atol=tol, rtol=tol)
 
 
-def test_sliding_window_over_long_chunked_prefill(backend, device):
-    sc = make_scenario(backend, shapes("chunked_prefill")[0], device=device, seed=12)
+def test_sliding_window_over_long_chunked_prefill(backend, device, model_dtype):
+    sc = make_scenario(backend, shapes("chunked_prefill")[0], device=device, dtype=model_dtype,
+                       seed=12)
     on, off = _on_and_off(sc, sliding_window=100, builder_window=100)
     assert_outputs_differ(on, off, 1e-3, "sliding_window=100")
 
 
 @pytest.mark.parametrize("as_tensor", [False, True], ids=["list", "tensor"])
-def test_alibi(backend, device, as_tensor):
-    sc = make_scenario(backend, MIXED, device=device, seed=13)
+def test_alibi(backend, device, model_dtype, as_tensor):
+    sc = make_scenario(backend, MIXED, device=device, dtype=model_dtype, seed=13)
     slopes = alibi_slopes_for(sc.num_heads)
     given = torch.tensor(slopes, dtype=torch.float32, device=device) if as_tensor else slopes
     on = sc.run(alibi_slopes=given)
@@ -54,37 +55,38 @@ def test_alibi(backend, device, as_tensor):
     assert_outputs_differ(on, sc.run(), 1e-3, "alibi_slopes")
 
 
-def test_alibi_with_gqa(backend, device):
-    sc = make_scenario(backend, shapes("gqa_8to1")[0], device=device, seed=14)
+def test_alibi_with_gqa(backend, device, model_dtype):
+    sc = make_scenario(backend, shapes("gqa_8to1")[0], device=device, dtype=model_dtype, seed=14)
     slopes = alibi_slopes_for(sc.num_heads)
     sc.check(sc.run(alibi_slopes=slopes), alibi_slopes=slopes)
 
 
 @pytest.mark.parametrize("cap", [1.5, 30.0])
-def test_logits_soft_cap(backend, device, cap):
+def test_logits_soft_cap(backend, device, model_dtype, cap):
     # a large query magnitude makes the scores large enough that a cap of 30 matters too
-    sc = make_scenario(backend, MIXED, device=device, seed=15)
+    sc = make_scenario(backend, MIXED, device=device, dtype=model_dtype, seed=15)
     sc.query.mul_(8.0 if cap > 10 else 1.0)
     on, off = _on_and_off(sc, logits_soft_cap=cap)
     assert_outputs_differ(on, off, 1e-3, f"logits_soft_cap={cap}")
 
 
 @pytest.mark.parametrize("scale", [0.3, 0.01])
-def test_custom_scale(backend, device, scale):
-    sc = make_scenario(backend, MIXED, device=device, seed=16)
+def test_custom_scale(backend, device, model_dtype, scale):
+    sc = make_scenario(backend, MIXED, device=device, dtype=model_dtype, seed=16)
     on, off = _on_and_off(sc, scale=scale)
     assert_outputs_differ(on, off, 1e-3, f"scale={scale}")
 
 
-def test_custom_scale_on_long_prefill(backend, device):
+def test_custom_scale_on_long_prefill(backend, device, model_dtype):
     """Prefill kernels must honour the scale too (FlashInfer's prefill once did not)."""
-    sc = make_scenario(backend, shapes("long_prefill")[0], device=device, seed=17)
+    sc = make_scenario(backend, shapes("long_prefill")[0], device=device, dtype=model_dtype,
+                       seed=17)
     sc.check(sc.run(scale=0.5), scale=0.5)
 
 
 @pytest.mark.parametrize("shape", shapes("mixed", "chunked_prefill"), ids=str)
-def test_every_option_at_once(backend, device, shape):
-    sc = make_scenario(backend, shape, device=device, seed=18)
+def test_every_option_at_once(backend, device, model_dtype, shape):
+    sc = make_scenario(backend, shape, device=device, dtype=model_dtype, seed=18)
     opts = dict(sliding_window=24, alibi_slopes=alibi_slopes_for(sc.num_heads),
                 logits_soft_cap=4.0, scale=0.2)
     sc.check(sc.run(builder_window=24, **opts), **opts)
@@ -95,23 +97,24 @@ FP8 = ["fp8", "fp8_e4m3", "fp8_e5m2"]
 
 @pytest.mark.parametrize("scales_as_tensors", [False, True], ids=["float", "tensor"])
 @pytest.mark.parametrize("kv_cache_dtype", FP8)
-def test_fp8_cache(backend, device, kv_cache_dtype, scales_as_tensors):
-    sc = make_scenario(backend, MIXED, device=device, kv_cache_dtype=kv_cache_dtype, seed=19,
-                       magnitude=3.0)
+def test_fp8_cache(backend, device, model_dtype, kv_cache_dtype, scales_as_tensors):
+    sc = make_scenario(backend, MIXED, device=device, dtype=model_dtype,
+                       kv_cache_dtype=kv_cache_dtype, seed=19, magnitude=3.0)
     assert sc.k_scale != 1.0 and sc.v_scale != 1.0 and sc.k_scale != sc.v_scale
     out = sc.run(scales_as_tensors=scales_as_tensors)
     sc.check(out)
     sc.check_cache_writes()
     # the same data through an unquantised cache: FP8 must be visible, but small
-    ref = make_scenario(backend, MIXED, device=device, seed=19, magnitude=3.0)
+    ref = make_scenario(backend, MIXED, device=device, dtype=model_dtype, seed=19, magnitude=3.0)
     assert_outputs_differ(out, ref.run(), 1e-4, f"kv_cache_dtype={kv_cache_dtype}")
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("shape", shapes("single_decode", "chunked_prefill", "block_size_5"),
                          ids=str)
-def test_fp8_cache_shapes(backend, device, shape, kv_cache_dtype):
-    sc = make_scenario(backend, shape, device=device, kv_cache_dtype=kv_cache_dtype, seed=20)
+def test_fp8_cache_shapes(backend, device, model_dtype, shape, kv_cache_dtype):
+    sc = make_scenario(backend, shape, device=device, dtype=model_dtype,
+                       kv_cache_dtype=kv_cache_dtype, seed=20)
     sc.check(sc.run(scales_as_tensors=True))
     sc.check_cache_writes()
 
@@ -123,9 +126,9 @@ def test_fp8_cache_with_bf16_model(backend, device):
     sc.check_cache_writes()
 
 
-def test_fp8_scale_is_applied(backend, device):
+def test_fp8_scale_is_applied(backend, device, model_dtype):
     """Same cache contents, scale doubled: K read back doubles, so the output must move."""
-    sc = make_scenario(backend, shapes("many_decodes")[0], device=device,
+    sc = make_scenario(backend, shapes("many_decodes")[0], device=device, dtype=model_dtype,
                        kv_cache_dtype="fp8_e4m3", seed=22)
     first = sc.run()
     sc.check(first)

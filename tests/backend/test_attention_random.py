@@ -40,12 +40,13 @@ def batches(draw):
 @settings(max_examples=25, deadline=None, derandomize=True, print_blob=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(case=batches())
-def test_random_batches(backend, device, case):
+def test_random_batches(backend, device, model_dtype, case):
     opts = case["opts"]
     window = opts.get("sliding_window") if case["window_in_builder"] else None
     try:
         sc = make_scenario(backend, case["shape"], head_size=case["head_size"], device=device,
-                           kv_cache_dtype=case["kv_cache_dtype"], seed=case["seed"])
+                           dtype=model_dtype, kv_cache_dtype=case["kv_cache_dtype"],
+                           seed=case["seed"])
         out = sc.run(builder_window=window, **opts)
     except pytest.skip.Exception:
         return  # a non-reference backend refused this mix at construction; torch never does

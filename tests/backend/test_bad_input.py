@@ -11,8 +11,8 @@ ERRORS = (ValueError, TypeError, NotImplementedError)
 
 
 @pytest.fixture
-def sc(backend, device):
-    return make_scenario(backend, MIXED, device=device, seed=80)
+def sc(backend, device, model_dtype):
+    return make_scenario(backend, MIXED, device=device, dtype=model_dtype, seed=80)
 
 
 def _fwd(sc, q, k, v, md=None, cache=None):
@@ -139,8 +139,9 @@ def test_undefined_option_combinations_raise_at_construction(backend, attn_type,
         backend.get_impl_cls()(4, 64, 0.125, 2, attn_type=attn_type, **kwargs)
 
 
-def test_fp8_impl_with_an_unquantised_cache(backend, device):
-    sc = make_scenario(backend, MIXED, device=device, seed=82)  # cache in the model dtype
+def test_fp8_impl_with_an_unquantised_cache(backend, device, model_dtype):
+    # the cache in the model dtype
+    sc = make_scenario(backend, MIXED, device=device, dtype=model_dtype, seed=82)
     impl = backend.get_impl_cls()(sc.num_heads, sc.head_size, 0.125, sc.num_kv_heads,
                                   kv_cache_dtype="fp8_e4m3")
     with pytest.raises(ERRORS):
@@ -205,8 +206,8 @@ def test_kv_cache_dtype_mapping():
         f("int4", torch.float16)
 
 
-def test_cross_attention_decode_needs_cross_tables(backend, device):
+def test_cross_attention_decode_needs_cross_tables(backend, device, model_dtype):
     """key=None is only meaningful for cross-attention; a decoder layer must refuse it."""
-    sc = make_scenario(backend, Shape("d", ((8, 1),)), device=device, seed=81)
+    sc = make_scenario(backend, Shape("d", ((8, 1),)), device=device, dtype=model_dtype, seed=81)
     with pytest.raises(ERRORS):
         sc.impl().forward(sc.query.flatten(1), None, None, sc.kv_cache, sc.build())

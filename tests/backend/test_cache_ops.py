@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cases import CacheLayout, make_garbage_cache, raw_bits
+from paged_batch import CacheLayout, make_garbage_cache, raw_bits
 
 NB, BS, HKV, D = 12, 4, 2, 16
 CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import pagedattn
-from cases import (CacheLayout, allocate_tables, default_dtype, make_garbage_cache, raw_bits,
-                   refusal_guard, skip_refused_dtype, skip_unsupported_head_size, slot_of)
+from cases import refusal_guard, skip_refused_dtype, skip_unsupported_head_size
 from oracle import assert_attention_close, dense_attention, tolerance_for
+from paged_batch import CacheLayout, allocate_tables, make_garbage_cache, raw_bits, slot_of
 
 AT = pagedattn.AttentionType
 HQ, HKV, D, BS = 4, 2, 64, 8
@@ -25,8 +25,7 @@ DEC_LENS = [5, 9, 1, 4]  # decoder prompt lengths (prefill step)
 class EncDec:
     """Two pools (decoder self-attention and cross-attention), shuffled, full of junk."""
 
-    def __init__(self, backend, device, seed=0, dtype=None):
-        dtype = default_dtype() if dtype is None else dtype
+    def __init__(self, backend, device, dtype, seed=0):
         skip_unsupported_head_size(backend, D)
         skip_refused_dtype(backend, device, dtype)
         self.backend, self.device, self.dtype = backend, device, dtype
@@ -77,9 +76,9 @@ def _flat(x):
     return x.reshape(x.shape[0], -1)
 
 
-@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["default_dtype", "bf16"])
-def test_encoder_self_attention(backend, device, dtype):
-    ed = EncDec(backend, device, seed=40, dtype=dtype)
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["model_dtype", "bf16"])
+def test_encoder_self_attention(backend, device, model_dtype, dtype):
+    ed = EncDec(backend, device, dtype or model_dtype, seed=40)
     md = ed.build(decode=False)
     assert md.num_encoder_tokens == sum(ENC_LENS)
     t = sum(ENC_LENS)
@@ -93,9 +92,9 @@ def test_encoder_self_attention(backend, device, dtype):
 
 
 @pytest.mark.parametrize("empty_cache", [False, True], ids=["cache", "no_cache"])
-def test_encoder_only(backend, device, empty_cache):
+def test_encoder_only(backend, device, model_dtype, empty_cache):
     """Bidirectional over each sequence's query tokens; the cache is neither read nor written."""
-    ed = EncDec(backend, device, seed=41)
+    ed = EncDec(backend, device, model_dtype, seed=41)
     lens = DEC_LENS
     seqs = [pagedattn.ScheduledSeq(n, n, t) for n, t in zip(lens, ed.tables)]
     with refusal_guard(backend, f"block_size={BS}"):
@@ -110,8 +109,8 @@ def test_encoder_only(backend, device, empty_cache):
     assert torch.equal(raw_bits(cache), raw_bits(before)), "ENCODER_ONLY must not touch the cache"
 
 
-def test_encoder_only_differs_from_causal(backend, device):
-    ed = EncDec(backend, device, seed=42)
+def test_encoder_only_differs_from_causal(backend, device, model_dtype):
+    ed = EncDec(backend, device, model_dtype, seed=42)
     seqs = [pagedattn.ScheduledSeq(n, n, t) for n, t in zip(DEC_LENS, ed.tables)]
     with refusal_guard(backend, f"block_size={BS}"):
         md = backend.get_builder_cls()(BS, device).build(seqs)
@@ -122,8 +121,8 @@ def test_encoder_only_differs_from_causal(backend, device):
     assert float((enc - dec).abs().max()) > 1e-3, "ENCODER_ONLY must not be causal"
 
 
-def test_cross_attention_prefill_then_decode(backend, device):
-    ed = EncDec(backend, device, seed=43)
+def test_cross_attention_prefill_then_decode(backend, device, model_dtype):
+    ed = EncDec(backend, device, model_dtype, seed=43)
     impl = ed.impl(AT.ENCODER_DECODER)
     enc_t, dec_t = sum(ENC_LENS), sum(DEC_LENS)
     enc_k, enc_v = ed.randn(enc_t, HKV, D), ed.randn(enc_t, HKV, D)
@@ -164,8 +163,8 @@ def test_cross_attention_prefill_then_decode(backend, device):
     assert torch.equal(ed.cross_cache, cache_after_prefill), "decode must not write the cross cache"
 
 
-def test_encoder_decoder_metadata_fields(backend, device):
-    ed = EncDec(backend, device, seed=44)
+def test_encoder_decoder_metadata_fields(backend, device, model_dtype):
+    ed = EncDec(backend, device, model_dtype, seed=44)
     md = ed.build(decode=False)
     assert md.num_encoder_tokens == sum(ENC_LENS)
     assert list(md.encoder_seq_lens) == ENC_LENS

@@ -17,8 +17,8 @@ def _layer(sc, backend_name, layer_idx, **opts):
                                backend=backend_name, layer_idx=layer_idx, **opts)
 
 
-def test_layer_equals_impl(backend, backend_name, device):
-    sc = make_scenario(backend, MIXED, device=device, seed=70)
+def test_layer_equals_impl(backend, backend_name, device, model_dtype):
+    sc = make_scenario(backend, MIXED, device=device, dtype=model_dtype, seed=70)
     other = torch.zeros_like(sc.kv_cache)  # layer 0's cache: must stay untouched
     layer = _layer(sc, backend_name, layer_idx=1)
     md = sc.build()
@@ -33,8 +33,8 @@ def test_layer_equals_impl(backend, backend_name, device):
     torch.testing.assert_close(out, sc.forward(sc.impl(), md), atol=tol, rtol=tol)
 
 
-def test_layer_outside_forward_context_raises(backend, backend_name, device):
-    sc = make_scenario(backend, MIXED, device=device, seed=71)
+def test_layer_outside_forward_context_raises(backend, backend_name, device, model_dtype):
+    sc = make_scenario(backend, MIXED, device=device, dtype=model_dtype, seed=71)
     layer = _layer(sc, backend_name, layer_idx=0)
     with pytest.raises(Exception, match="forward_context"):
         layer(sc.query.flatten(1), sc.key.flatten(1), sc.value.flatten(1))
@@ -59,8 +59,8 @@ class TinyModel(nn.Module):
         return x
 
 
-def test_tiny_model_compiles_fullgraph(backend, backend_name, device):
-    sc = make_scenario(backend, MIXED, device=device, seed=72)
+def test_tiny_model_compiles_fullgraph(backend, backend_name, device, model_dtype):
+    sc = make_scenario(backend, MIXED, device=device, dtype=model_dtype, seed=72)
     torch.manual_seed(0)
     model = TinyModel(32, sc.num_heads, sc.num_kv_heads, sc.head_size, backend_name)
     model = model.to(device, sc.dtype).eval()
@@ -99,8 +99,8 @@ class _RecordOps(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def test_layer_goes_through_the_registered_op(backend, backend_name, device):
-    sc = make_scenario(backend, MIXED, device=device, seed=73)
+def test_layer_goes_through_the_registered_op(backend, backend_name, device, model_dtype):
+    sc = make_scenario(backend, MIXED, device=device, dtype=model_dtype, seed=73)
     layer = _layer(sc, backend_name, layer_idx=0)
     with pagedattn.forward_context(sc.build(), [sc.kv_cache]), _RecordOps() as rec:
         layer(sc.query.flatten(1), sc.key.flatten(1), sc.value.flatten(1))
@@ -110,9 +110,9 @@ def test_layer_goes_through_the_registered_op(backend, backend_name, device):
     assert {f.overloadpacket for f, _, _ in rec.calls} == {packet}
 
 
-def test_opcheck(backend, backend_name, device):
+def test_opcheck(backend, backend_name, device, model_dtype):
     """torch.library.opcheck on the op exactly as the layer calls it (schema, fake, aot)."""
-    sc = make_scenario(backend, MIXED, device=device, seed=74)
+    sc = make_scenario(backend, MIXED, device=device, dtype=model_dtype, seed=74)
     layer = _layer(sc, backend_name, layer_idx=0)
     md = sc.build()
     with pagedattn.forward_context(md, [sc.kv_cache]):

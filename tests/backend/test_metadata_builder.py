@@ -27,8 +27,8 @@ def _check_tensor(md, name, dtype, shape, device):
 
 @pytest.mark.parametrize("shape", shapes("mixed", "block_boundaries", "many_decodes",
                                          "long_prefill", "block_size_1"), ids=str)
-def test_fields(backend, device, shape):
-    sc = make_scenario(backend, shape, device=device, seed=50)
+def test_fields(backend, device, model_dtype, shape):
+    sc = make_scenario(backend, shape, device=device, dtype=model_dtype, seed=50)
     md = sc.build()
     lens = shape.lens
     b, t = len(lens), sc.num_tokens
@@ -67,13 +67,13 @@ def test_fields(backend, device, shape):
     assert md.max_decode_seq_len == max([c + q for c, q in decodes], default=0)
 
 
-def test_no_padding_slots_without_graphs(backend, device):
-    sc = make_scenario(backend, MIXED, device=device, seed=51)
+def test_no_padding_slots_without_graphs(backend, device, model_dtype):
+    sc = make_scenario(backend, MIXED, device=device, dtype=model_dtype, seed=51)
     assert bool((sc.build().slot_mapping >= 0).all())
 
 
-def test_prefill_and_decode_views(backend, device):
-    sc = make_scenario(backend, MIXED, device=device, seed=52)
+def test_prefill_and_decode_views(backend, device, model_dtype):
+    sc = make_scenario(backend, MIXED, device=device, dtype=model_dtype, seed=52)
     md = sc.build()
     pre, dec = md.prefill_metadata, md.decode_metadata
     assert pre is not None and dec is not None
@@ -91,8 +91,8 @@ def test_prefill_and_decode_views(backend, device):
 
 
 @pytest.mark.parametrize("name,empty", [("many_decodes", "prefill"), ("long_prefill", "decode")])
-def test_empty_view_is_none(backend, device, name, empty):
-    md = make_scenario(backend, shapes(name)[0], device=device, seed=53).build()
+def test_empty_view_is_none(backend, device, model_dtype, name, empty):
+    md = make_scenario(backend, shapes(name)[0], device=device, dtype=model_dtype, seed=53).build()
     assert getattr(md, f"{empty}_metadata") is None
     other = "decode" if empty == "prefill" else "prefill"
     view = getattr(md, f"{other}_metadata")
@@ -100,9 +100,9 @@ def test_empty_view_is_none(backend, device, name, empty):
 
 
 @pytest.mark.parametrize("pad_to", [8, 4])
-def test_cuda_graph_padding(backend, device, pad_to):
+def test_cuda_graph_padding(backend, device, model_dtype, pad_to):
     shape = Shape("three_decodes", ((9, 1), (16, 1), (40, 1)))
-    sc = make_scenario(backend, shape, device=device, seed=54)
+    sc = make_scenario(backend, shape, device=device, dtype=model_dtype, seed=54)
     md = sc.build(pad_to=pad_to)
     assert md.use_cuda_graph is True
     slots = _cpu_list(md.slot_mapping)
@@ -129,9 +129,9 @@ def test_cuda_graph_padding(backend, device, pad_to):
     (7, Shape("window_trim_bs1", ((30, 4), (25, 1)), block_size=1)),
     (16, shapes("chunked_prefill")[0]),
 ])
-def test_sliding_window_trimming_keeps_results(backend, device, window, shape):
+def test_sliding_window_trimming_keeps_results(backend, device, model_dtype, window, shape):
     """A builder told the window may drop blocks wholly outside it; the answer must not move."""
-    sc = make_scenario(backend, shape, device=device, seed=55)
+    sc = make_scenario(backend, shape, device=device, dtype=model_dtype, seed=55)
     trimmed = sc.run(builder_window=window, sliding_window=window)
     sc.check(trimmed, sliding_window=window)
     sc.reset_cache()

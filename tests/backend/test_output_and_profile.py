@@ -8,8 +8,8 @@ from oracle import tolerance_for
 
 
 @pytest.mark.parametrize("shape", shapes("mixed", "many_decodes"), ids=str)
-def test_output_is_written_in_place(backend, device, shape):
-    sc = make_scenario(backend, shape, device=device, seed=30)
+def test_output_is_written_in_place(backend, device, model_dtype, shape):
+    sc = make_scenario(backend, shape, device=device, dtype=model_dtype, seed=30)
     poisoned = torch.full((sc.num_tokens, sc.num_heads * sc.head_size), float("nan"),
                           dtype=sc.dtype, device=device)
     ptr = poisoned.data_ptr()
@@ -21,8 +21,8 @@ def test_output_is_written_in_place(backend, device, shape):
     sc.check_cache_writes()
 
 
-def test_output_matches_fresh_result(backend, device):
-    sc = make_scenario(backend, shapes("mixed")[0], device=device, seed=31)
+def test_output_matches_fresh_result(backend, device, model_dtype):
+    sc = make_scenario(backend, shapes("mixed")[0], device=device, dtype=model_dtype, seed=31)
     fresh = sc.run()
     sc.reset_cache()
     buf = torch.full_like(fresh, 1e4)
@@ -34,12 +34,13 @@ def test_output_matches_fresh_result(backend, device):
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("lens", [((0, 40), (0, 7), (0, 1)), ((0, 300),)],
                          ids=["three_prompts", "one_prompt"])
-def test_profiling_call_with_empty_cache(backend, device, lens, kv_cache_dtype):
+def test_profiling_call_with_empty_cache(backend, device, model_dtype, lens, kv_cache_dtype):
     """A profile run passes a cache with numel 0: no store, plain causal prefill."""
     from cases import Shape
 
     shape = Shape("profile", lens)
-    sc = make_scenario(backend, shape, device=device, kv_cache_dtype=kv_cache_dtype, seed=32)
+    sc = make_scenario(backend, shape, device=device, dtype=model_dtype,
+                       kv_cache_dtype=kv_cache_dtype, seed=32)
     empty = torch.empty(0, dtype=sc.cache_dtype, device=device)
     out = sc.forward(sc.impl(), sc.build(), kv_cache=empty)
     assert empty.numel() == 0

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import pagedattn
+from graph_harness import DecodeGraph
 
 BLOCK_SIZE = 16
 MAX_BLOCKS = 12  # 192 tokens per sequence
@@ -24,42 +25,6 @@ def _random_seqs(g, n, num_blocks, lookahead=0):
     return seqs
 
 
-class _Graph:
-    """One captured decode step of `batch_size` rows over the state's buffers."""
-
-    def __init__(self, fi, state, impl, kv_cache, batch_size, hq, hkv, d, dtype):
-        dev = kv_cache.device
-        self.md = state.graph_capture_get_metadata_for_batch(batch_size)
-        self.state = state.graph_clone(batch_size)
-        self.buffers = self.state.get_graph_input_buffers(self.md)
-        self.q = torch.zeros(batch_size, hq * d, dtype=dtype, device=dev)
-        self.k = torch.zeros(batch_size, hkv * d, dtype=dtype, device=dev)
-        self.v = torch.zeros_like(self.k)
-        self.out = torch.empty_like(self.q)
-        self.impl, self.kv_cache = impl, kv_cache
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):  # warm-up: plans the graph wrapper, loads the kernels
-            self._step()
-        torch.cuda.current_stream().wait_stream(s)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self._step()
-
-    def _step(self):
-        self.impl.forward(self.q, self.k, self.v, self.kv_cache, self.md, output=self.out)
-
-    def replay(self, real_md, q, k, v):
-        self.state.prepare_graph_input_buffers(self.buffers, real_md)
-        self.state.begin_forward(real_md)
-        n = q.shape[0]
-        self.q[:n].copy_(q.flatten(1))
-        self.k[:n].copy_(k.flatten(1))
-        self.v[:n].copy_(v.flatten(1))
-        self.graph.replay()
-        return self.out[:n]
-
-
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=["gqa4_tensor_cores", "mha_cuda_cores"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_graph_replay_with_new_lengths_equals_eager(fi, cuda, heads, dtype):
@@ -71,7 +36,8 @@ def test_graph_replay_with_new_lengths_equals_eager(fi, cuda, heads, dtype):
     state = fi.get_state_cls()(MAX_BATCH, MAX_BLOCKS, BLOCK_SIZE, cuda)
     builder = fi.get_builder_cls()(BLOCK_SIZE, cuda)
     with state.graph_capture(MAX_BATCH):
-        graphs = {b: _Graph(fi, state, impl, kv_cache, b, hq, hkv, d, dtype) for b in (32, 8, 1)}
+        graphs = {b: DecodeGraph(state, impl, kv_cache, b, num_heads=hq, num_kv_heads=hkv,
+                                 head_size=d, dtype=dtype) for b in (32, 8, 1)}
     for b, graph in graphs.items():
         for real in sorted({b, max(1, b - 3)}):
             for _ in range(2):  # replays with different lengths and tables
@@ -97,7 +63,8 @@ def test_graph_replay_after_advance_step(fi, cuda):
     state = fi.get_state_cls()(MAX_BATCH, MAX_BLOCKS, BLOCK_SIZE, cuda)
     builder = fi.get_builder_cls()(BLOCK_SIZE, cuda)
     with state.graph_capture(MAX_BATCH):
-        graph = _Graph(fi, state, impl, kv_cache, b, hq, hkv, d, dtype)
+        graph = DecodeGraph(state, impl, kv_cache, b, num_heads=hq, num_kv_heads=hkv,
+                            head_size=d, dtype=dtype)
     seqs = _random_seqs(g, real, num_blocks, lookahead=4)
     md = builder.build(seqs, cuda_graph_pad_to=b)
     tokens = torch.zeros(b, dtype=torch.int64, device=cuda)

@@ -1,9 +1,7 @@
 """CUDA graphs through the backend's AttentionState: capture a decode step at a batch size,
 replay it with other lengths and block tables, and compare with eager execution.
 
-Protocol (API.md section 5): inside `state.graph_capture`, take the capture metadata for the
-batch size, the graph's input buffers and a per-graph clone of the state; before each replay,
-`prepare_graph_input_buffers(buffers, real_md)` and `begin_forward(real_md)` on that clone.
+The protocol (API.md section 5) is graph_harness.DecodeGraph's.
 """
 
 from __future__ import annotations
@@ -14,6 +12,8 @@ import pytest
 import torch
 
 import pagedattn
+from cases import refusal_guard
+from graph_harness import DecodeGraph
 
 pytestmark = pytest.mark.cuda_only
 
@@ -42,47 +42,30 @@ def test_replay_with_new_lengths_equals_eager(backend, device, batch, kv_cache_d
     rng = random.Random(batch)
     dtype = torch.bfloat16
     pool = MAX_BATCH * MAX_BLOCKS + 8
-    try:
-        impl = backend.get_impl_cls()(HQ, D, D**-0.5, HKV, kv_cache_dtype=kv_cache_dtype, logits_soft_cap=30.0)
-    except (NotImplementedError, ValueError) as e:
-        pytest.skip(f"{backend.get_name()} refuses this configuration: {e}")
+    with refusal_guard(backend, f"kv_cache_dtype={kv_cache_dtype}, head_size={D}"):
+        impl = backend.get_impl_cls()(HQ, D, D**-0.5, HKV, kv_cache_dtype=kv_cache_dtype,
+                                      logits_soft_cap=30.0)
     cache_dtype = pagedattn.kv_cache_dtype(kv_cache_dtype, dtype)
-    kv_cache = (torch.randn(backend.get_kv_cache_shape(pool, BLOCK, HKV, D), device=device) * 0.5).to(cache_dtype)
+    kv_cache = (torch.randn(backend.get_kv_cache_shape(pool, BLOCK, HKV, D), device=device)
+                * 0.5).to(cache_dtype)
     k_scale = torch.tensor(0.7, device=device)
     v_scale = torch.tensor(1.3, device=device)
 
-    q = torch.randn(batch, HQ * D, device=device, dtype=dtype)
-    k = torch.randn(batch, HKV * D, device=device, dtype=dtype)
-    v = torch.randn(batch, HKV * D, device=device, dtype=dtype)
-    out = torch.empty_like(q)
-
     state = backend.get_state_cls()(MAX_BATCH, MAX_BLOCKS, BLOCK, device)
     with state.graph_capture(MAX_BATCH):
-        md = state.graph_capture_get_metadata_for_batch(batch)
-        buffers = state.get_graph_input_buffers(md)
-        graph_state = state.graph_clone(batch)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up: compile kernels, allocate lazily made scratch
-                impl.forward(q, k, v, kv_cache, md, k_scale, v_scale, output=out)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            impl.forward(q, k, v, kv_cache, md, k_scale, v_scale, output=out)
+        graph = DecodeGraph(state, impl, kv_cache, batch, num_heads=HQ, num_kv_heads=HKV,
+                            head_size=D, dtype=dtype, k_scale=k_scale, v_scale=v_scale)
 
     for _ in range(3):
         real = _real_step(backend, device, batch, pool, rng)
-        for t in (q, k, v):
-            t.copy_(torch.randn_like(t))
+        q = torch.randn(batch, HQ * D, device=device, dtype=dtype)
+        k = torch.randn(batch, HKV * D, device=device, dtype=dtype)
+        v = torch.randn(batch, HKV * D, device=device, dtype=dtype)
         eager_cache = kv_cache.clone()
         expected = impl.forward(q, k, v, eager_cache, real, k_scale, v_scale)
-
-        graph_state.prepare_graph_input_buffers(buffers, real)
-        graph_state.begin_forward(real)
-        out.fill_(float("nan"))
-        graph.replay()
+        out = graph.replay(real, q, k, v)
         torch.cuda.synchronize()
         assert not out.isnan().any(), "the replay left rows unwritten"
         torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
-        assert torch.equal(kv_cache.view(torch.uint8), eager_cache.view(torch.uint8)), "the replay wrote other slots"
+        assert torch.equal(kv_cache.view(torch.uint8), eager_cache.view(torch.uint8)), (
+            "the replay wrote other slots")

@@ -72,23 +72,24 @@ def _install_recorders():
     return found
 
 
+# (context_len, query_len) per sequence
 CASES = {
-    "decode_bf16_d128_split": dict(seqs=[(1, 40), (1, 9)], heads=(32, 8), head_size=128,
+    "decode_bf16_d128_split": dict(lens=[(39, 1), (8, 1)], heads=(32, 8), head_size=128,
                                    dtype=torch.bfloat16, splits=2),
-    "prefill_bf16_d128": dict(seqs=[(200, 240)], heads=(32, 8), head_size=128,
+    "prefill_bf16_d128": dict(lens=[(40, 200)], heads=(32, 8), head_size=128,
                               dtype=torch.bfloat16),
-    "prefill_fp16_d80_fp8e5_options": dict(seqs=[(90, 100), (1, 7)], heads=(8, 2),
+    "prefill_fp16_d80_fp8e5_options": dict(lens=[(10, 90), (6, 1)], heads=(8, 2),
                                            head_size=80, dtype=torch.float16,
-                                           cache_dtype=torch.float8_e5m2, block_size=5,
+                                           kv_cache_dtype="fp8_e5m2", block_size=5,
                                            sliding_window=4, soft_cap=3.0, alibi=True),
-    "prefill_bf16_d256_fp8e4": dict(seqs=[(200, 240)], heads=(8, 2), head_size=256,
-                                    dtype=torch.bfloat16, cache_dtype=torch.float8_e4m3fn),
+    "prefill_bf16_d256_fp8e4": dict(lens=[(40, 200)], heads=(8, 2), head_size=256,
+                                    dtype=torch.bfloat16, kv_cache_dtype="fp8_e4m3"),
 }
 
 
 def _compile_case(case: str) -> dict:
     import pagedattn.kernels as K
-    from kernel_oracle import make_paged_batch
+    from paged_kernel import attend, kernel_args, kernel_batch
 
     recorders = _install_recorders()
     if case.startswith("store_kv_"):
@@ -100,19 +101,14 @@ def _compile_case(case: str) -> dict:
     else:
         c = CASES[case]
         num_heads, num_kv_heads = c["heads"]
-        batch = make_paged_batch(c["seqs"], num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                 head_size=c["head_size"], block_size=c.get("block_size", 16),
-                                 dtype=c["dtype"], cache_dtype=c.get("cache_dtype"))
-        ws = K.SplitKVWorkspace.allocate(batch.query.shape[0], num_heads, c["head_size"], 4,
-                                         "cpu")
-        K.paged_attention(
-            batch.query, batch.k_cache, batch.v_cache, torch.empty_like(batch.query),
-            query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
-            block_tables=batch.block_tables, max_query_len=max(batch.query_lens),
-            max_seq_len=max(batch.seq_len_list), scale=0.1, workspace=ws,
-            num_splits=c.get("splits"), lse=torch.empty(batch.query.shape[:2]),
-            sliding_window=c.get("sliding_window"), soft_cap=c.get("soft_cap"),
-            alibi_slopes=torch.ones(num_heads) if c.get("alibi") else None)
+        batch = kernel_batch(c["lens"], num_heads=num_heads, num_kv_heads=num_kv_heads,
+                             head_size=c["head_size"], block_size=c.get("block_size", 16),
+                             dtype=c["dtype"], kv_cache_dtype=c.get("kv_cache_dtype", "auto"),
+                             device="cpu")
+        ws = K.SplitKVWorkspace.allocate(batch.num_tokens, num_heads, c["head_size"], 4, "cpu")
+        attend(kernel_args(batch), scale=0.1, workspace=ws, num_splits=c.get("splits"),
+               sliding_window=c.get("sliding_window"), soft_cap=c.get("soft_cap"),
+               alibi_slopes=torch.ones(num_heads) if c.get("alibi") else None)
     return {name: [k.metadata.shared for k in rec.compiled] for name, rec in recorders.items()}
 
 
@@ -129,8 +125,10 @@ def report():
     except ImportError:
         pytest.skip("this Triton has no ASTSource/GPUTarget to compile with")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([root, os.path.dirname(os.path.abspath(__file__)),
+    here = os.path.dirname(os.path.abspath(__file__))
+    tests = os.path.dirname(here)
+    # the script imports what pytest's pythonpath gives the tests, and its own folder's helper
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(tests), tests, here,
                                          env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env,
                           capture_output=True, text=True, timeout=600)
