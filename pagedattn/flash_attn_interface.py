@@ -17,6 +17,8 @@ the same mask) `left >= 0` is the kernel's `sliding_window = left + 1`.
 
 Differences from Dao-AILab's flash-attn 2.x (each refusal raises `NotImplementedError` naming
 the argument; nothing is silently ignored):
+- Only these two entry points (no `flash_attn_func`, packed-QKV/KV variants or
+  `flash_attn_combine`).
 - Forward only: `flash_attn_varlen_func` refuses inputs that require grad while grad mode is
   on. `deterministic` only concerns FlashAttention's backward; our forward is deterministic
   (the split count is a function of the shapes), so `deterministic=True` is accepted.
@@ -42,12 +44,19 @@ the argument; nothing is silently ignored):
   keyword-only `k_descale`/`v_descale`: one float32 scale each (a float or a one-element
   tensor; flash-attn 3's per-(batch, KV head) `[B, Hkv]` descales are refused unless they hold
   one element). New `k`/`v` appended to an FP8 cache are quantised with those scales.
+- Speed, not results: a non-causal call with more than one query per sequence runs each query
+  token as a sequence of its own (the kernel drops the leading rows of a non-causal sequence
+  with more queries than keys), unless every sequence is known to have no more queries than
+  keys: `cu_seqlens_k is cu_seqlens_q` (self-attention), or `Sk_new >= Sq` when appending.
 - The cache must have room for `cache_seqlens + seqlen_new` keys when `k`/`v` are appended, as
   flash-attn requires; it is not checked, since checking would synchronise.
-Against flash-attn 3.x (`hopper/flash_attn_interface.py`) additionally: no `seqused_q`/
-`seqused_k`, `qv`, `q_descale`, `scheduler_metadata`, `pack_gqa`, `sm_margin`, attention
-`sink` or `page_table` spelling (we take flash-attn 2.x's `block_table`); `return_attn_probs`
-returns three items as in 2.x.
+Against flash-attn 3.x (`hopper/flash_attn_interface.py`): the signatures here are 2.x's.
+3.x orders its arguments differently (pass them by keyword to use either), has no `dropout_p`,
+`alibi_slopes` or `block_table` on `flash_attn_varlen_func`, calls the paged table
+`page_table` on `flash_attn_with_kvcache`, and takes `seqused_q`/`seqused_k`, `qv`,
+`q_descale`, `attention_chunk`, `scheduler_metadata`, `pack_gqa`, `sm_margin` and (kvcache)
+`cu_seqlens_q`/`cu_seqlens_k_new`/`max_seqlen_q`/`rotary_seqlens`, which do not exist here (a
+TypeError, never ignored); of its FP8 arguments only one-value `k_descale`/`v_descale` exist.
 """
 
 from __future__ import annotations
@@ -88,7 +97,7 @@ def _expect(cond: bool, what: str, expected: object, got: object) -> None:
 
 
 def _unsupported(name: str, got: object, why: str) -> NotImplementedError:
-    return NotImplementedError(f"pagedattn.flash_attn_interface: {name}={got!r} is not supported "
+    return NotImplementedError(f"pagedattn.flash_attn_interface: {name}={got} is not supported "
                                f"({why})")
 
 
@@ -348,9 +357,8 @@ def flash_attn_with_kvcache(
             _expect(k_cache.shape[0] >= num_seqs, "k_cache.shape[0] without cache_batch_idx",
                     f">= {num_seqs} (q.shape[0])", k_cache.shape[0])
         max_keys = page
-    if (k is None) != (v is None):
-        raise ValueError(f"k, v: expected both or neither, got k={'a tensor' if k is not None else None}, "
-                         f"v={'a tensor' if v is not None else None}")
+    _expect((k is None) == (v is None), "k, v", "both or neither",
+            f"k={'a tensor' if k is not None else None}, v={'a tensor' if v is not None else None}")
     seqlen_new = 0
     if k is not None:
         _expect_tensor(k, "k", (num_seqs, None, num_kv_heads, head_size), (q.dtype,), device)
@@ -395,7 +403,7 @@ def flash_attn_with_kvcache(
             if cache_leftpad is not None:
                 start = start + cache_leftpad
                 seq_lens = seq_lens - cache_leftpad
-            kv_start_loc = torch.cat([start, start[-1:]]).to(torch.int32)  # [B+1], last unused
+            kv_start_loc = torch.cat([start, start[-1:]])  # [B+1] int32, the last unused
         _attend(q.reshape(num_seqs * seqlen_q, num_heads, head_size),
                 k_arg, v_arg, _rows(out, "out"), lse_rows,
                 query_start_loc=torch.arange(0, num_seqs * seqlen_q + 1, seqlen_q,
