@@ -28,7 +28,7 @@ info: $(VENV)/.base
 
 test: $(VENV)/.dev        ## set up and run the test suite (CPU; Triton kernels run interpreted)
 	$(PY) -m pytest -q
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider tests/backend --backend triton
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider tests/backend --backend triton,flash_attn
 
 clean:
 	rm -rf $(VENV)

@@ -172,29 +172,10 @@ def _descale(descale, name: str, cache_dtype: torch.dtype, device):
 
 
 def _attend(query, k, v, out, lse, *, query_start_loc, seq_lens, block_tables, kv_start_loc,
-            max_query_len: int, max_seq_len: int, queries_fit_keys: bool, num_splits,
-            **options) -> None:
-    """One `paged_attention` launch over [T, Hq, D] `query` into `out` (and `lse` [T, Hq]).
-
-    The kernel places query i of a sequence at position seq_len - query_len + i and, without
-    causal, leaves out rows at negative positions, i.e. the first query_len - seq_len rows of a
-    sequence with more queries than keys. Unless every sequence is known to have
-    query_len <= seq_len (`queries_fit_keys`), a non-causal step, where positions mean nothing,
-    is launched with each query token as a one-token sequence over its sequence's keys.
-    """
+            max_query_len: int, max_seq_len: int, num_splits, **options) -> None:
+    """One `paged_attention` launch over [T, Hq, D] `query` into `out` (and `lse` [T, Hq])."""
     from pagedattn.kernels import paged_attention
 
-    if not options["causal"] and max_query_len > 1 and not queries_fit_keys:
-        num_tokens = query.shape[0]
-        tokens = torch.arange(num_tokens, dtype=torch.int32, device=query.device)
-        seq_of = torch.searchsorted(query_start_loc[1:], tokens, right=True)  # [T]
-        seq_lens = seq_lens[seq_of]
-        if block_tables is not None:
-            block_tables = block_tables[seq_of]  # [T, W]
-        else:
-            kv_start_loc = torch.cat([kv_start_loc[seq_of], kv_start_loc[-1:]])  # [T+1]
-        query_start_loc = torch.arange(num_tokens + 1, dtype=torch.int32, device=query.device)
-        max_query_len = 1
     workspace = _workspace(query.device, query.shape[1], query.shape[2])
     if num_splits is not None and num_splits > 1:
         fits = workspace.fits(query.shape[0], query.shape[1], query.shape[2])
@@ -264,7 +245,6 @@ def flash_attn_varlen_func(
     num_seqs = cu_seqlens_q.shape[0] - 1
     _expect(num_seqs >= 0, "cu_seqlens_q.shape", "[B+1]", list(cu_seqlens_q.shape))
     cu_seqlens_q = _int32_vector(cu_seqlens_q, "cu_seqlens_q", num_seqs + 1, device)
-    same_lens = cu_seqlens_k is cu_seqlens_q
     cu_seqlens_k = _int32_vector(cu_seqlens_k, "cu_seqlens_k", num_seqs + 1, device)
     if paged:
         _expect_tensor(block_table, "block_table", (num_seqs, None), (torch.int32,), device)
@@ -283,7 +263,7 @@ def flash_attn_varlen_func(
             seq_lens=cu_seqlens_k[1:] - cu_seqlens_k[:-1],  # [B]
             block_tables=block_table, kv_start_loc=None if paged else cu_seqlens_k,
             max_query_len=max_seqlen_q, max_seq_len=max_seqlen_k,
-            queries_fit_keys=max_seqlen_q <= 1 or same_lens, num_splits=None, **options)
+            num_splits=None, **options)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -410,7 +390,6 @@ def flash_attn_with_kvcache(
                                              dtype=torch.int32, device=device),
                 seq_lens=seq_lens, block_tables=block_table, kv_start_loc=kv_start_loc,
                 max_query_len=seqlen_q, max_seq_len=max_keys,
-                queries_fit_keys=seqlen_q <= max(1, seqlen_new),
                 num_splits=num_splits or None, **options)
     if not return_softmax_lse:
         return out

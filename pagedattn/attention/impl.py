@@ -60,6 +60,8 @@ class AttendCall:
     kv_start_loc: torch.Tensor | None  # int32 [B+1] (Source.STEP)
     k: torch.Tensor
     v: torch.Tensor
+    step_k: torch.Tensor | None = None  # [Tc, Hkv, D] the step's own K/V rows of these queries
+    step_v: torch.Tensor | None = None  # (Source.CACHE calls; a fresh prompt's keys are exactly these)
 
     @property
     def is_prefill_part(self) -> bool:
@@ -248,20 +250,22 @@ class AttentionImpl:
             raise ValueError("ENCODER_DECODER attention over the cache needs cross block tables: "
                              "build with ScheduledSeq(encoder_len=..., cross_block_table=...)")
         if not (self.split_parts and md.num_prefills and md.num_decode_tokens):
-            return [self._cache_call(md, every, md.max_query_len, cross, k_cache, v_cache)]
+            return [self._cache_call(md, every, md.max_query_len, cross, k_cache, v_cache, k, v)]
         p = md.num_prefill_tokens
-        return [self._cache_call(md.prefill_metadata, slice(0, p), md.max_query_len, cross, k_cache, v_cache),
-                self._cache_call(md.decode_metadata, slice(p, q.shape[0]), 1, cross, k_cache, v_cache)]
+        return [self._cache_call(md.prefill_metadata, slice(0, p), md.max_query_len, cross, k_cache, v_cache, k, v),
+                self._cache_call(md.decode_metadata, slice(p, q.shape[0]), 1, cross, k_cache, v_cache, k, v)]
 
     @staticmethod
-    def _cache_call(part: AttentionMetadata, rows: slice, max_query_len: int, cross: bool, k_cache, v_cache) -> AttendCall:
+    def _cache_call(part: AttentionMetadata, rows: slice, max_query_len: int, cross: bool, k_cache, v_cache,
+                    k, v) -> AttendCall:
         if cross:
             return AttendCall(part, rows, Source.CROSS_CACHE, False, part.query_start_loc, max_query_len,
                               part.encoder_seq_lens_tensor, part.encoder_seq_lens, part.max_encoder_seq_len,
                               part.cross_block_tables, None, k_cache, v_cache)
         max_kv = max(part.max_prefill_seq_len, part.max_decode_seq_len)
         return AttendCall(part, rows, Source.CACHE, True, part.query_start_loc, max_query_len,
-                          part.seq_lens_tensor, part.seq_lens, max_kv, part.block_tables, None, k_cache, v_cache)
+                          part.seq_lens_tensor, part.seq_lens, max_kv, part.block_tables, None, k_cache, v_cache,
+                          None if k is None else k[rows], None if v is None else v[rows])
 
     # ------------------------------------------------------------------ checks
 

@@ -109,7 +109,9 @@ def _attend_tiles(
             if CAUSAL:
                 keep = n[None, :] <= q_pos[:, None]
             else:
-                keep = (n < key_hi)[None, :] & (q_pos >= 0)[:, None]
+                # every row sees every key, whatever its position (a row may sit before the
+                # first key when a sequence has more queries than keys: cross attention)
+                keep = (n < key_hi)[None, :]
             if USE_WINDOW:
                 keep = keep & (n[None, :] > q_pos[:, None] - window)
             s = tl.where(keep, s, float("-inf"))

@@ -175,3 +175,40 @@ def test_encoder_decoder_metadata_fields(backend, device, model_dtype):
     assert tables.dtype == torch.int32 and tables.shape[0] == len(ENC_LENS)
     for row, ct in zip(tables.tolist(), ed.cross_tables):
         assert row[:len(ct)] == ct
+
+
+@pytest.mark.parametrize("heads", [(1, 1), (16, 16), (8, 2)], ids=["mha1", "mha16", "gqa"])
+@pytest.mark.parametrize("from_cache", [True, False], ids=["cache", "step"])
+def test_cross_attention_with_more_queries_than_encoder_tokens(backend, device, model_dtype, heads,
+                                                               from_cache):
+    """Cross attention is not causal: every decoder query sees every encoder key, also when a
+    sequence has more decoder queries than encoder tokens (no row is padding by position)."""
+    hq, hkv = heads
+    d = 64
+    skip_unsupported_head_size(backend, d)
+    skip_refused_dtype(backend, device, model_dtype)
+    bs = 16
+    layout = CacheLayout(backend, 8, bs, hkv, d)
+    g = torch.Generator().manual_seed(7)
+    cache = make_garbage_cache(layout.shape, model_dtype, device, g)
+    # (decoder queries, encoder tokens): 2 over 1, 9 over 3, and one that fits, 2 over 5
+    parts = [(2, 1), (9, 3), (2, 5)]
+    seqs = [pagedattn.ScheduledSeq(n, n, [i], encoder_len=e, cross_block_table=[5 + i])
+            for i, (n, e) in enumerate(parts)]
+    t, te = sum(n for n, _ in parts), sum(e for _, e in parts)
+    q = torch.randn(t, hq, d, generator=g).to(model_dtype).to(device)
+    k = torch.randn(te, hkv, d, generator=g).to(model_dtype).to(device)
+    v = torch.randn(te, hkv, d, generator=g).to(model_dtype).to(device)
+    with refusal_guard(backend, f"heads={heads}"):
+        impl = backend.get_impl_cls()(hq, d, d ** -0.5, hkv, attn_type=AT.ENCODER_DECODER)
+    with refusal_guard(backend, f"block_size={bs}"):
+        md = backend.get_builder_cls()(bs, device).build(seqs)
+    kv_cache = cache if from_cache else torch.empty(0, dtype=model_dtype, device=device)
+    out = impl.forward(q, k, v, kv_cache, md).view(t, hq, d)
+    qs, ks = 0, 0
+    for n, e in parts:
+        ref = dense_attention(q[qs:qs + n].cpu(), k[ks:ks + e].cpu(), v[ks:ks + e].cpu(),
+                              scale=d ** -0.5, causal=False)
+        assert_attention_close(out[qs:qs + n], ref, tolerance_for(model_dtype),
+                               what=f"{n} decoder queries over {e} encoder tokens")
+        qs, ks = qs + n, ks + e
