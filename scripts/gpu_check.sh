@@ -38,7 +38,7 @@ python -m pagedattn info > "$LOGS/info.log" 2>&1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$LOGS/info.log"
 for s in $suites; do
   case $s in
-    torch|triton|flashinfer)
+    torch|triton|flash_attn|flashinfer)
       run "$s" "${LIMIT:-240}" python -m pytest tests/backend tests/gpu $([ "$s" = flashinfer ] && echo tests/flashinfer) \
         --backend "$s" --device cuda -q -p no:cacheprovider -n "${WORKERS:-4}" --tb=short -rfEs ;;
     kernels) run kernels 150 python -m pytest tests/kernels/test_kernels_gpu.py -q -p no:cacheprovider ;;
