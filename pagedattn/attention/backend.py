@@ -86,7 +86,9 @@ class AttentionBackend:
 
     @staticmethod
     def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's cache as (K, V) views, each [num_blocks, block_size, Hkv, D] (any strides)."""
+        """One layer's cache as (K, V) halves, each [num_blocks, ...] holding a block's slots as
+        [block_size, Hkv, D] (NHD), in any strides that `view` as [num_blocks, block_size, Hkv, D]
+        (the impl, which knows Hkv and D, makes that view)."""
         return kv_cache[0], kv_cache[1]
 
     @classmethod

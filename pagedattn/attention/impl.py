@@ -5,7 +5,8 @@
    step's largest block id against the cache's pool: host ints, no synchronisation);
 2. take the step's FP8 scales (`KVScales`, one per layer);
 3. store the step's K/V once, at `slot_mapping` (DECODER) or `cross_slot_mapping`
-   (ENCODER_DECODER), through `_store` on the K/V views `Backend.split_kv_cache` gives;
+   (ENCODER_DECODER), through `_store` on the K/V halves `Backend.split_kv_cache` gives, viewed
+   as [num_blocks, block_size, Hkv, D];
 4. resolve where each query attends (`AttendCall`s: the cache through the step's block tables,
    the cache through the cross tables, or the step's own K/V rows);
 5. call the backend's `_attend` for each.
@@ -189,7 +190,10 @@ class AttentionImpl:
         if cached:
             if kv_cache.dtype in FP8_DTYPES:
                 scales = self.kv_scales.update(k_scale, v_scale, kv_cache.device)
-            k_cache, v_cache = self.backend.split_kv_cache(kv_cache)
+            # [num_blocks, block_size, Hkv, D] each; a layout that flattens a block's slots
+            # (xformers) cannot name Hkv and D itself, the layer can.
+            k_cache, v_cache = (x.view(x.shape[0], md.block_size, self.num_kv_heads, self.head_size)
+                                for x in self.backend.split_kv_cache(kv_cache))
             slots, cross = (md.slot_mapping, False) if self.attn_type is AttentionType.DECODER else (md.cross_slot_mapping, True)
             if k is not None and slots is not None:
                 self._store(k, v, k_cache, v_cache, slots, scales, md, cross)
