@@ -172,8 +172,9 @@ class XFormersImpl(triton_backend.TritonImpl):
 
     def _plan(self, q, call: AttendCall, scales) -> _XPlan:
         md = call.md
-        key = (call.source, call.rows.start, q.dtype, self.sliding_window, self.num_heads, self.num_kv_heads,
-               self.head_size, scales is not None, id(self) if self.alibi_slopes is not None else None)
+        key = (self.attn_type, call.source, call.causal, call.rows.start, q.dtype, self.sliding_window,
+               self.num_heads, self.num_kv_heads, self.head_size, scales is not None,
+               id(self) if self.alibi_slopes is not None else None)  # ALiBi: each layer its own slopes
         plans = md.xformers_plans if isinstance(md, XFormersMetadata) else {}
         if key not in plans:
             plans[key] = self._make_plan(q, call, scales)
