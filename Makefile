@@ -17,7 +17,7 @@ $(VENV)/.base: pyproject.toml
 	touch $@
 
 # xformers 0.0.35, Python part only (--no-deps: pip leaves the torch build alone; its C++/CUDA
-# extension, built for torch 2.10, does not load here): tests/xformers checks the xformers
+# extension, built for torch 2.10, does not load here): tests/backend_xformers checks the xformers
 # backend's attention biases with xFormers' own materialize(), which needs no kernel.
 $(VENV)/.dev: $(VENV)/.base
 	$(PIP) install -q -e '.[dev]'

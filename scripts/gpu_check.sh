@@ -39,7 +39,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>
 for s in $suites; do
   case $s in
     torch|triton|flash_attn|flashinfer)
-      run "$s" "${LIMIT:-240}" python -m pytest tests/backend tests/gpu $([ "$s" = flashinfer ] && echo tests/flashinfer) \
+      run "$s" "${LIMIT:-240}" python -m pytest tests/backend tests/gpu $([ "$s" = flashinfer ] && echo tests/backend_flashinfer) \
         --backend "$s" --device cuda -q -p no:cacheprovider -n "${WORKERS:-4}" --tb=short -rfEs ;;
     kernels) run kernels 150 python -m pytest tests/kernels/test_kernels_gpu.py -q -p no:cacheprovider ;;
     bench) run bench 200 python -m pagedattn bench kernels --out "$LOGS/bench.md" ;;
@@ -49,7 +49,7 @@ for s in $suites; do
     engine) run engine 300 python -m pytest tests/engine tests/models --backend triton --device cuda -q \
         -p no:cacheprovider -n 4 ;;
     fi-record) FI_JIT_RECORD="$PWD/fi_jit_record.tsv" run fi-record "${LIMIT:-200}" python -m pytest tests/backend \
-        tests/gpu tests/flashinfer --backend flashinfer --device cuda -q -p no:cacheprovider -p fi_jit -n 8
+        tests/gpu tests/backend_flashinfer --backend flashinfer --device cuda -q -p no:cacheprovider -p fi_jit -n 8
       cp fi_jit_record.tsv "$LOGS/" 2>/dev/null ;;
     fi-build) run fi-build 900 python scripts/fi_jit.py build --record fi_jit_record.tsv \
         --seconds $(( ${FI_BUILD_UNTIL:-480} - SECONDS )) ;;

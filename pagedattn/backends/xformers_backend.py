@@ -20,11 +20,11 @@ xFormers' operators run on CUDA only; on a CPU every part runs on our kernels (T
 interpreted). `provider()`, `pagedattn info` and one INFO log line say which runs here and why.
 NOT TESTED YET: no machine of the session that wrote this ran an xFormers operator (the CPU has
 none, the GPU machine was not used), so the operator path (`_attend_xformers`) awaits a GPU
-run of tests/backend with `--backend xformers --device cuda`; tests/xformers checks its biases
+run of tests/backend with `--backend xformers --device cuda`; tests/backend_xformers checks its biases
 on the CPU against xFormers' own `materialize()` and the dense oracle.
 
-Logit soft capping is refused at construction: `memory_efficient_attention` has none (the seeds'
-backend refuses it too), and the backend computes the same attention whatever the provider.
+A logit soft cap (which the seeds' backend refused: `memory_efficient_attention` has none) runs
+every part on our kernels, so the backend computes the same attention whatever the provider.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import logging
 
 import torch
 
-from pagedattn.attention.backend import AttentionBackend, Capabilities
+from pagedattn.attention.backend import AttentionBackend
 from pagedattn.attention.builder import MetadataBuilder
 from pagedattn.attention.impl import AttendCall, AttentionImpl, Source
 from pagedattn.attention.metadata import AttentionMetadata
@@ -71,11 +71,7 @@ def xformers_reasons(device_type: str) -> tuple[str, ...]:
 
 
 class XFormersBackend(AttentionBackend):
-    capabilities = Capabilities(
-        head_sizes=triton_backend.TritonBackend.capabilities.head_sizes,
-        logits_soft_cap=False,
-        why_not=(("logits_soft_cap", "xFormers' memory_efficient_attention has no logit soft cap"),),
-    )
+    capabilities = triton_backend.TritonBackend.capabilities  # every part can run on our kernels
 
     @staticmethod
     def get_name() -> str:
@@ -197,6 +193,8 @@ class XFormersImpl(triton_backend.TritonImpl):
         md = call.md
         if md.use_cuda_graph:
             return _XPlan(None, why_not="a CUDA graph's metadata: xFormers' biases hold host lengths")
+        if self.logits_soft_cap is not None:
+            return _XPlan(None, why_not="a logit soft cap: xFormers' operators have none")
         k, v, paged = self._keys(call)
         q_lens = call.kv_lens_host if self.attn_type is AttentionType.ENCODER else md.query_lens
         if min(call.kv_lens_host, default=0) == 0:

@@ -17,7 +17,7 @@ functions build that object for each kind of call of the shared forward:
   `(2, num_blocks, block_size * Hkv * D)` is without a copy.
 
 Lengths come from host lists (the metadata's), so building a bias never reads the device; the
-backend builds each bias once per step. tests/xformers checks every bias here, materialised by
+backend builds each bias once per step. tests/backend_xformers checks every bias here, materialised by
 xFormers itself, against the dense oracle. Importing this module imports xformers.
 """
 

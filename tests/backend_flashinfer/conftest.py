@@ -1,6 +1,6 @@
 """FlashInfer-specific tests: they need a CUDA GPU and the flashinfer package (skipped otherwise).
 
-    pytest tests/flashinfer            (on the GPU machine; FlashInfer JIT-compiles on first use)
+    pytest tests/backend_flashinfer            (on the GPU machine; FlashInfer JIT-compiles on first use)
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""tests/xformers runs the xformers backend's kernel path on the CPU under the Triton
+"""tests/backend_xformers runs the xformers backend's kernel path on the CPU under the Triton
 interpreter (set before triton is first imported, as tests/kernels does) unless CUDA is present."""
 
 import os
