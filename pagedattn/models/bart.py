@@ -126,23 +126,30 @@ class BartDecoderLayer(BartEncoderLayer):
 
 
 class BartEmbeddings(nn.Module):
-    """Scaled shared token embeddings plus learned positions (offset by 2), then a layer norm."""
+    """Scaled token embeddings plus learned positions (offset by 2), then a layer norm.
 
-    def __init__(self, config, shared: nn.Embedding) -> None:
+    Token embeddings are BartModel's `shared` ones when `shared` is given (tied embeddings), else
+    this module's own `embed_tokens` (transformers >= 5 unties them with `tie_word_embeddings`)."""
+
+    def __init__(self, config, shared: nn.Embedding | None) -> None:
         super().__init__()
-        self.shared = [shared]  # in a list: not registered twice (it belongs to BartModel)
+        if shared is None:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+            self.token_embedding = [self.embed_tokens]
+        else:
+            self.token_embedding = [shared]  # in a list: registered once, by BartModel
         self.scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
         self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, config.d_model)
         self.layernorm_embedding = nn.LayerNorm(config.d_model)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: int64 [T] -> [T, d_model]."""
-        h = self.shared[0](input_ids) * self.scale + self.embed_positions(positions + POSITION_OFFSET)
+        h = self.token_embedding[0](input_ids) * self.scale + self.embed_positions(positions + POSITION_OFFSET)
         return self.layernorm_embedding(h)
 
 
 class BartEncoder(BartEmbeddings):
-    def __init__(self, config, shared: nn.Embedding, attns: list[Attention]) -> None:
+    def __init__(self, config, shared: nn.Embedding | None, attns: list[Attention]) -> None:
         super().__init__(config, shared)
         self.layers = nn.ModuleList(BartEncoderLayer(config, a, config.encoder_ffn_dim) for a in attns)
 
@@ -155,7 +162,9 @@ class BartEncoder(BartEmbeddings):
 
 
 class BartDecoder(BartEmbeddings):
-    def __init__(self, config, shared: nn.Embedding, self_attns: list[Attention], cross_attns: list[Attention]) -> None:
+    def __init__(
+        self, config, shared: nn.Embedding | None, self_attns: list[Attention], cross_attns: list[Attention]
+    ) -> None:
         super().__init__(config, shared)
         self.layers = nn.ModuleList(BartDecoderLayer(config, s, c) for s, c in zip(self_attns, cross_attns))
 
@@ -184,13 +193,15 @@ class BartModel(nn.Module):
 
         # Cache indices: decoder self-attention layers 0..n-1, cross-attention layers n..2n-1.
         # The encoder's attention has no cache (its index is never read).
-        self.shared = nn.Embedding(config.vocab_size, d)
+        # Tied: one table for encoder, decoder and LM head. Untied: each has its own.
+        shared = nn.Embedding(config.vocab_size, d) if config.tie_word_embeddings else None
+        self.shared = shared
         enc = [attention(config.encoder_attention_heads, 0, AttentionType.ENCODER, "auto")
                for _ in range(config.encoder_layers)]
         dec = [attention(heads, i, AttentionType.DECODER, kv_cache_dtype) for i in range(n_dec)]
         cross = [attention(heads, n_dec + i, AttentionType.ENCODER_DECODER, kv_cache_dtype) for i in range(n_dec)]
-        self.encoder = BartEncoder(config, self.shared, enc)
-        self.decoder = BartDecoder(config, self.shared, dec, cross)
+        self.encoder = BartEncoder(config, shared, enc)
+        self.decoder = BartDecoder(config, shared, dec, cross)
 
 
 class BartForConditionalGeneration(nn.Module):
@@ -249,11 +260,13 @@ class BartForConditionalGeneration(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """weights: (Hugging Face name, tensor) pairs, e.g. `model.decoder.layers.0.encoder_attn.k_proj.weight`.
-        `final_logits_bias` is optional (transformers does not require it either); copies of the
-        shared embedding saved by older checkpoints are skipped."""
-        ignore = ["encoder.embed_tokens.weight", "decoder.embed_tokens.weight"]
+        `final_logits_bias` is optional (transformers does not require it either). Tied: copies
+        of the shared embedding (older checkpoints save them) are skipped; untied: the shared
+        table, which nothing reads, is."""
         if self.config.tie_word_embeddings:
-            ignore.append("lm_head.weight")
+            ignore = ["encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"]
+        else:
+            ignore = ["model.shared.weight"]
         load_weights(self, self._take_logits_bias(weights), STACKED, ignore)
 
     def _take_logits_bias(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
