@@ -342,7 +342,8 @@ class BlockManager:
                 (cpu_cross if swapped else cross)[block] += 1
         for name, pool, owners in (("cross", self.cross, cross), ("CPU cross", self.cpu_cross, cpu_cross)):
             assert owners == pool.ref_counts, f"{name} refcounts {pool.ref_counts} != owners {owners}"
-            assert sorted(pool.free) == [b for b in range(pool.num_blocks) if owners[b] == 0], f"{name} free list mismatch"
+            unreferenced = [b for b in range(pool.num_blocks) if owners[b] == 0]
+            assert sorted(pool.free) == unreferenced, f"{name} free list mismatch"
         assert gpu == self.ref_counts, f"GPU refcounts {self.ref_counts} != owners {gpu}"
         assert cpu == self.cpu.ref_counts, f"CPU refcounts {self.cpu.ref_counts} != owners {cpu}"
         plain, evictable = list(self.free_plain), list(self.evictable)

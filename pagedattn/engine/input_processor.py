@@ -59,7 +59,9 @@ class InputProcessor:
         self.device = device
         self.seq_ids = seq_ids
 
-    def make_group(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str, index: int) -> SequenceGroup:
+    def make_group(
+        self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str, index: int
+    ) -> SequenceGroup:
         """The request's group: WAITING, or FINISHED with `group.error` set when it cannot run."""
         encoder_prompt, decoder_prompt, error = self._split(prompt)
         encoder_text, encoder_ids = None, None

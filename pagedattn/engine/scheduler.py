@@ -228,7 +228,8 @@ class Scheduler:
             need = self.bm.swap_in_cost(seqs) + sum(
                 max(0, cdiv(self._target(st), self.block_size) - len(s.block_table)) + 1 for s, st, _ in plan
             )
-            if need > self.bm.num_free_blocks - self.watermark or self.bm.cross_swap_in_cost(seqs) > self.bm.num_free_cross_blocks:
+            cross_need = self.bm.cross_swap_in_cost(seqs)
+            if need > self.bm.num_free_blocks - self.watermark or cross_need > self.bm.num_free_cross_blocks:
                 return
             self.swapped.popleft()
             moves, cross_moves = self.bm.swap_in(seqs)
@@ -323,9 +324,12 @@ class Scheduler:
 
     def _too_big_message(self, group: SequenceGroup) -> str:
         tokens = sum(len(s) for s in group.live_seqs)
+        encoder = sum(s.encoder_len for s in group.live_seqs)
         return (
-            f"request {group.request_id} ({len(group.live_seqs)} sequences, {tokens} tokens) needs more "
-            f"KV-cache blocks than the pool of {self.bm.num_blocks} blocks of {self.block_size} tokens holds"
+            f"request {group.request_id} ({len(group.live_seqs)} sequences, {tokens} tokens"
+            f"{f', {encoder} encoder tokens' if encoder else ''}) needs more KV-cache blocks than "
+            f"{'each pool (decoder, cross)' if encoder else 'the pool'} of {self.bm.num_blocks} blocks "
+            f"of {self.block_size} tokens holds"
         )
 
     def _commit(self, group: SequenceGroup, plan: Plan, out: SchedulerOutput, budget: _Budget) -> None:

@@ -101,7 +101,10 @@ class Sequence:
             raise ValueError(f"block {i} is not full: sequence has {len(self.token_ids)} tokens of block size {bs}")
         while len(self._block_hashes) <= i:
             j = len(self._block_hashes)
-            parent = self._block_hashes[j - 1] if j else (hash(self.encoder_token_ids) if self.encoder_token_ids else None)
+            if j:
+                parent = self._block_hashes[j - 1]
+            else:
+                parent = hash(self.encoder_token_ids) if self.encoder_token_ids else None
             self._block_hashes.append(hash((parent, tuple(self.token_ids[j * bs : (j + 1) * bs]))))
         return self._block_hashes[i]
 

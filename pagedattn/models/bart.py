@@ -168,7 +168,10 @@ class BartDecoder(BartEmbeddings):
         super().__init__(config, shared)
         self.layers = nn.ModuleList(BartDecoderLayer(config, s, c) for s, c in zip(self_attns, cross_attns))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, encoder_hidden: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, encoder_hidden: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Decoder tokens int64 [T] each; encoder_hidden [Te, d_model] or None -> [T, d_model]."""
         h = super().forward(input_ids, positions)
         for layer in self.layers:
             h = layer(h, encoder_hidden)

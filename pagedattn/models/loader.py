@@ -68,9 +68,10 @@ class ModelSpec:
 @dataclass(frozen=True)
 class LoadedModel:
     model: nn.Module
-    """`forward(input_ids int64 [T], positions int64 [T]) -> [T, hidden]`, `compute_logits([N, hidden]) -> float32 [N, vocab]`.
-    Encoder-decoder models: `forward(input_ids, positions, encoder_input_ids, encoder_positions)`,
-    the encoder's int64 [num_encoder_tokens] or both None (a step that runs no encoder)."""
+    """`forward(input_ids int64 [T], positions int64 [T]) -> [T, hidden]`,
+    `compute_logits([N, hidden]) -> float32 [N, vocab]`. Encoder-decoder models:
+    `forward(input_ids, positions, encoder_input_ids, encoder_positions)`, the encoder's int64
+    [num_encoder_tokens] or both None (a step that runs no encoder)."""
     tokenizer: object
     """A transformers tokenizer."""
     spec: ModelSpec

@@ -203,6 +203,10 @@ def test_bad_encoder_decoder_input_fails_alone(make_bart_engine, greedy_refs, ma
     # Over the step budget: an encoder-decoder prompt is never chunked.
     [out] = make_bart_engine(max_num_batched_tokens=16, max_num_seqs=4).generate([random_prompts((20,))[0]], [params])
     assert out.outputs[0].finish_reason == "error" and "max_num_batched_tokens (16)" in out.error
+    # More encoder tokens than the cross pool holds (40 tokens: 10 blocks of 4, the pool has 8).
+    outputs = make_bart_engine(num_kv_blocks=8).generate([random_prompts((40,))[0], ok], [params] * 2)
+    assert outputs[0].outputs[0].finish_reason == "error" and "40 encoder tokens" in outputs[0].error
+    assert outputs[1].outputs[0].token_ids == greedy_refs[0]
     # A decoder-only model given an encoder-decoder prompt.
     outputs = make_engine().generate([{"encoder_prompt": [1, 2, 3]}, [1, 2, 3]], [params] * 2)
     assert outputs[0].outputs[0].finish_reason == "error" and "decoder-only model" in outputs[0].error
