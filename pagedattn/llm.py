@@ -83,19 +83,23 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        prompts: str | dict | Sequence[str | dict] | Sequence[int] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Complete every prompt (text, or token ids); outputs in the prompts' order.
 
+        Encoder-decoder models (BART): a prompt is `{"encoder_prompt": ..., "decoder_prompt": ...}`
+        (each text or token ids; the decoder prompt may be left out), or a plain prompt for the
+        encoder, the decoder starting from the model's `decoder_start_token_id`.
+
         `sampling_params`: one for all prompts, or one per prompt. A prompt that cannot run
         (longer than the context, bigger than the KV pool) gets finish_reason "error" and
         `RequestOutput.error`; the others complete.
         """
         # A flat list of numbers is one prompt of token ids (floats in it are refused per request).
-        if isinstance(prompts, str) or (prompts and all(isinstance(t, numbers.Number) for t in prompts)):
+        if isinstance(prompts, (str, dict)) or (prompts and all(isinstance(t, numbers.Number) for t in prompts)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:

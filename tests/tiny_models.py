@@ -29,3 +29,50 @@ TINY_CONFIG = dict(
     bos_token_id=256,
     eos_token_id=257,
 )
+
+# A tiny BART: 2 encoder and 2 decoder layers, d_model 32, 4 heads of 8, byte vocabulary.
+TINY_BART_CONFIG = dict(
+    vocab_size=VOCAB,
+    d_model=32,
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=64,
+    decoder_ffn_dim=64,
+    max_position_embeddings=64,
+    bos_token_id=256,
+    eos_token_id=257,
+    pad_token_id=258,
+    decoder_start_token_id=257,  # BART starts decoding from EOS
+    forced_eos_token_id=None,
+    scale_embedding=True,
+)
+
+
+def tiny_bart(folder, **overrides):
+    """Save a tiny random `BartForConditionalGeneration` (safetensors + byte tokenizer) in
+    `folder`; returns transformers' model on the same weights (float32, eval) as the reference.
+
+    Weights are drawn so that every part shows in the logits and greedy choices do not hinge on
+    rounding: linear weights of gain 1.5, embeddings of std 0.5, layer norm scales around 1,
+    and small random biases (`final_logits_bias` included)."""
+    import torch
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    model = BartForConditionalGeneration(BartConfig(**{**TINY_BART_CONFIG, **overrides})).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in [*model.named_parameters(), ("final_logits_bias", model.final_logits_bias)]:
+            rand = torch.randn(p.shape, generator=gen)
+            if "norm.weight" in name:
+                p.copy_(1.0 + 0.1 * rand)
+            elif "embed" in name or "shared" in name:
+                p.copy_(0.5 * rand)
+            elif p.dim() == 2 and "bias" not in name:
+                p.copy_(1.0 * rand / p.shape[1] ** 0.5)
+            else:
+                p.copy_(0.1 * rand)
+    model.save_pretrained(folder, safe_serialization=True)
+    byte_tokenizer().save_pretrained(folder)
+    return model

@@ -10,6 +10,13 @@ takes plain free blocks first, then evicts the least recently freed cached block
 A block written by a step must be owned by one sequence: `ensure_slots` copies shared blocks
 (copy-on-write after `fork`) and returns the (src, dst) pairs for `Backend.copy_blocks`.
 CPU blocks (the swap pool) are ref-counted the same way, without hashing.
+
+Encoder-decoder models have a second pool, the cross pool (its own cache tensor per
+cross-attention layer), holding each request's encoder K/V in `seq.cross_block_table`. Its
+blocks are written once, on the step that runs the encoder, and only read after: forks share
+them without copy-on-write and they are never hashed. They go with the sequence: freed with
+it (the last sequence of a request frees them), dropped by a recompute preemption (the encoder
+runs again), swapped to the CPU cross pool and back with it.
 """
 
 from __future__ import annotations
@@ -61,6 +68,8 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         sliding_window: int | None = None,
         num_cpu_blocks: int = 0,
+        num_cross_blocks: int = 0,
+        num_cpu_cross_blocks: int = 0,
     ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"expected num_blocks, block_size >= 1, got {num_blocks}, {block_size}")
@@ -75,6 +84,8 @@ class BlockManager:
         self.free_plain: deque[int] = deque(range(num_blocks))  # free, not in the hash table
         self.evictable: OrderedDict[int, None] = OrderedDict()  # free, cached; oldest first
         self.cpu = _Pool(num_cpu_blocks)
+        self.cross = _Pool(num_cross_blocks)
+        self.cpu_cross = _Pool(num_cpu_cross_blocks)
 
     # ------------------------------------------------------------------ pool
 
@@ -86,6 +97,10 @@ class BlockManager:
     @property
     def num_free_cpu_blocks(self) -> int:
         return len(self.cpu.free)
+
+    @property
+    def num_free_cross_blocks(self) -> int:
+        return len(self.cross.free)
 
     def _allocate(self) -> int:
         if self.free_plain:
@@ -128,12 +143,15 @@ class BlockManager:
         """Cached blocks holding a prefix of `seq`, without taking them.
 
         The last token is always left to compute (its logits are needed), so a prompt made of
-        whole cached blocks reuses all but its last block.
+        whole cached blocks reuses all but its last block. An encoder-decoder sequence leaves
+        two: its next step must be a prefill, the step that runs the encoder and writes its
+        cross blocks.
         """
         if not self.enable_prefix_caching or seq.num_computed_tokens or seq.block_table:
             return []
         hits = []
-        for i in range((len(seq) - 1) // self.block_size):
+        keep = 2 if seq.encoder_len else 1
+        for i in range(max(0, len(seq) - keep) // self.block_size):
             block = self.hash_to_block.get(seq.block_hash(i))
             if block is None or self.block_token_ids[block] != seq.block_tokens(i):
                 break
@@ -159,6 +177,17 @@ class BlockManager:
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_registered_blocks = len(hits)
         return seq.num_computed_tokens
+
+    # ------------------------------------------------------------------ cross blocks
+
+    def cross_blocks_needed(self, seq: Sequence) -> int:
+        """Cross blocks that `ensure_cross_blocks(seq)` would take."""
+        return 0 if seq.cross_block_table else cdiv(seq.encoder_len, self.block_size)
+
+    def ensure_cross_blocks(self, seq: Sequence) -> None:
+        """Give an encoder-decoder sequence its cross blocks (slots for every encoder token)."""
+        if not seq.cross_block_table:
+            seq.cross_block_table = [self.cross.allocate() for _ in range(cdiv(seq.encoder_len, self.block_size))]
 
     # ------------------------------------------------------------------ growing
 
@@ -221,14 +250,22 @@ class BlockManager:
         for block in child.block_table:
             if block != SLIDING_FREED:
                 self._incref(block)
+        child.cross_block_table = list(parent.cross_block_table)
+        for block in child.cross_block_table:
+            self.cross.incref(block)
 
     def free(self, seq: Sequence) -> None:
-        """Release every block of `seq` (GPU or CPU, by its status)."""
-        pool_decref = self.cpu.decref if seq.status is SeqStatus.SWAPPED else self._decref
+        """Release every block of `seq` (GPU or CPU, by its status), cross blocks included."""
+        swapped = seq.status is SeqStatus.SWAPPED
+        pool_decref = self.cpu.decref if swapped else self._decref
         for block in reversed(seq.block_table):
             if block != SLIDING_FREED:
                 pool_decref(block)
         seq.block_table = []
+        cross = self.cpu_cross if swapped else self.cross
+        for block in reversed(seq.cross_block_table):
+            cross.decref(block)
+        seq.cross_block_table = []
 
     # ------------------------------------------------------------------ swapping
 
@@ -236,11 +273,20 @@ class BlockManager:
     def _unique_blocks(seqs: Iterable[Sequence]) -> list[int]:
         return list(dict.fromkeys(b for s in seqs for b in s.block_table if b != SLIDING_FREED))
 
-    def can_swap_out(self, seqs: list[Sequence]) -> bool:
-        return len(self._unique_blocks(seqs)) <= self.num_free_cpu_blocks
+    @staticmethod
+    def _unique_cross_blocks(seqs: Iterable[Sequence]) -> list[int]:
+        return list(dict.fromkeys(b for s in seqs for b in s.cross_block_table))
 
-    def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
-        """Move the blocks of `seqs` (one group) to the CPU pool; returns (gpu, cpu) pairs."""
+    def can_swap_out(self, seqs: list[Sequence]) -> bool:
+        return (
+            len(self._unique_blocks(seqs)) <= self.num_free_cpu_blocks
+            and len(self._unique_cross_blocks(seqs)) <= len(self.cpu_cross.free)
+        )
+
+    def swap_out(self, seqs: list[Sequence]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Move the blocks of `seqs` (one group) to the CPU pools; returns the (gpu, cpu) pairs
+        of the decoder pool and of the cross pool."""
+        cross = _move_shared(seqs, self.cross, self.cpu_cross)
         mapping = {b: self.cpu.allocate() for b in self._unique_blocks(seqs)}
         for cpu_block in mapping.values():
             self.cpu.ref_counts[cpu_block] = 0
@@ -251,13 +297,18 @@ class BlockManager:
                     self.cpu.incref(mapping[block])
                     seq.block_table[i] = mapping[block]
             seq.status = SeqStatus.SWAPPED
-        return list(mapping.items())
+        return list(mapping.items()), cross
 
     def swap_in_cost(self, seqs: list[Sequence]) -> int:
         return len(self._unique_blocks(seqs))
 
-    def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
-        """Move the blocks of `seqs` back to fresh GPU blocks; returns (cpu, gpu) pairs."""
+    def cross_swap_in_cost(self, seqs: list[Sequence]) -> int:
+        return len(self._unique_cross_blocks(seqs))
+
+    def swap_in(self, seqs: list[Sequence]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Move the blocks of `seqs` back to fresh GPU blocks; returns the (cpu, gpu) pairs of
+        the decoder pool and of the cross pool."""
+        cross = _move_shared(seqs, self.cpu_cross, self.cross)
         mapping = {b: self._allocate() for b in self._unique_blocks(seqs)}
         for gpu_block in mapping.values():
             self.ref_counts[gpu_block] = 0
@@ -269,7 +320,7 @@ class BlockManager:
                     seq.block_table[i] = mapping[block]
             seq.status = SeqStatus.RUNNING
             seq.num_registered_blocks = 0  # the fresh blocks may be offered to the cache again
-        return list(mapping.items())
+        return list(mapping.items()), cross
 
     # ------------------------------------------------------------------ checks
 
@@ -279,11 +330,20 @@ class BlockManager:
         table and the blocks' hashes agree."""
         gpu = [0] * self.num_blocks
         cpu = [0] * self.cpu.num_blocks
+        cross = [0] * self.cross.num_blocks
+        cpu_cross = [0] * self.cpu_cross.num_blocks
         for seq in seqs:
-            counts = cpu if seq.status is SeqStatus.SWAPPED else gpu
+            swapped = seq.status is SeqStatus.SWAPPED
+            counts = cpu if swapped else gpu
             for block in seq.block_table:
                 if block != SLIDING_FREED:
                     counts[block] += 1
+            for block in seq.cross_block_table:
+                (cpu_cross if swapped else cross)[block] += 1
+        for name, pool, owners in (("cross", self.cross, cross), ("CPU cross", self.cpu_cross, cpu_cross)):
+            assert owners == pool.ref_counts, f"{name} refcounts {pool.ref_counts} != owners {owners}"
+            unreferenced = [b for b in range(pool.num_blocks) if owners[b] == 0]
+            assert sorted(pool.free) == unreferenced, f"{name} free list mismatch"
         assert gpu == self.ref_counts, f"GPU refcounts {self.ref_counts} != owners {gpu}"
         assert cpu == self.cpu.ref_counts, f"CPU refcounts {self.cpu.ref_counts} != owners {cpu}"
         plain, evictable = list(self.free_plain), list(self.evictable)
@@ -303,3 +363,17 @@ class BlockManager:
             assert self.block_hashes[block] is None, f"plain free block {block} still has a hash"
         if not self.enable_prefix_caching:
             assert not self.hash_to_block, "hash table used with prefix caching off"
+
+
+def _move_shared(seqs: list[Sequence], src: _Pool, dst: _Pool) -> list[tuple[int, int]]:
+    """Move the cross blocks of `seqs` (one group; shared blocks once) from pool `src` to pool
+    `dst`, rewriting their cross block tables; returns the (src, dst) block pairs."""
+    mapping = {b: dst.allocate() for b in dict.fromkeys(b for s in seqs for b in s.cross_block_table)}
+    for block in mapping.values():
+        dst.ref_counts[block] = 0
+    for seq in seqs:
+        for i, block in enumerate(seq.cross_block_table):
+            src.decref(block)
+            dst.incref(mapping[block])
+            seq.cross_block_table[i] = mapping[block]
+    return list(mapping.items())

@@ -3,6 +3,14 @@
 A request that can never run (an empty prompt, ids that are not ints or not in the
 vocabulary, a prompt longer than the context, more sequences than a step holds) is not
 raised: it becomes a group finished with finish_reason "error", so the others go on.
+
+Encoder-decoder models take `{"encoder_prompt": p, "decoder_prompt": q}` (as vLLM does; the
+decoder prompt may be left out) or a plain prompt, which is the encoder prompt. Each part is a
+string or token ids. The decoder prompt starts with the model's `decoder_start_token_id`
+(prepended when it does not; a text decoder prompt is tokenized without special tokens, so no
+EOS ends it). Also refused per request: an encoder prompt longer than the model's maximum, an
+encoder-decoder model given no encoder prompt, a decoder-only model given one, and encoder plus
+decoder prompts over the step budget (encoder-decoder prefills are not chunked).
 """
 
 from __future__ import annotations
@@ -32,7 +40,17 @@ class InputProcessor:
         block_size: int,
         device: torch.device,
         seq_ids: Iterator[int],
+        max_encoder_len: int = 0,
+        decoder_start_token_id: int | None = None,
+        max_num_batched_tokens: int | None = None,
     ):
+        """`max_encoder_len` > 0 makes the model encoder-decoder; its prompts then need
+        `decoder_start_token_id`, and `max_num_batched_tokens` bounds encoder + decoder prompt."""
+        if max_encoder_len and decoder_start_token_id is None:
+            raise ValueError("expected a decoder_start_token_id for an encoder-decoder model, got None")
+        self.max_encoder_len = max_encoder_len
+        self.decoder_start_token_id = decoder_start_token_id
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -41,13 +59,32 @@ class InputProcessor:
         self.device = device
         self.seq_ids = seq_ids
 
-    def make_group(self, prompt: str | list[int], params: SamplingParams, request_id: str, index: int) -> SequenceGroup:
+    def make_group(
+        self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str, index: int
+    ) -> SequenceGroup:
         """The request's group: WAITING, or FINISHED with `group.error` set when it cannot run."""
-        text, token_ids, error = self._tokenize(prompt)
+        encoder_prompt, decoder_prompt, error = self._split(prompt)
+        encoder_text, encoder_ids = None, None
+        if error is None and encoder_prompt is not None:
+            encoder_text, encoder_ids, error = self._tokenize(encoder_prompt)
+            if error is None:
+                error = self._check_encoder(encoder_ids)
+        text, token_ids = None, []
+        if error is None and encoder_ids is None:
+            text, token_ids, error = self._tokenize(decoder_prompt)
+        elif error is None:
+            if decoder_prompt is not None:
+                text, token_ids, error = self._tokenize(decoder_prompt, add_special_tokens=False)
+            if token_ids[:1] != [self.decoder_start_token_id]:
+                token_ids.insert(0, self.decoder_start_token_id)
+            error = error or self._check_step_budget(len(encoder_ids) + len(token_ids))
         if error is None:
             error = self._check(token_ids, params)
-        seq = Sequence(next(self.seq_ids), token_ids, self.block_size)
-        group = SequenceGroup(request_id, text, token_ids, params, [seq], index)
+        seq = Sequence(next(self.seq_ids), token_ids, self.block_size, tuple(encoder_ids or ()))
+        group = SequenceGroup(
+            request_id, text, token_ids, params, [seq], index,
+            encoder_prompt=encoder_text, encoder_prompt_token_ids=encoder_ids,
+        )
         if error is not None:
             seq.status = SeqStatus.FINISHED
             seq.finish_reason = "error"
@@ -59,11 +96,30 @@ class InputProcessor:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids)
         return group
 
-    def _tokenize(self, prompt) -> tuple[str | None, list[int], str | None]:
+    def _split(self, prompt) -> tuple[object, object, str | None]:
+        """(encoder prompt or None, decoder prompt or None, error) of a request's prompt."""
+        if not self.max_encoder_len:
+            if isinstance(prompt, dict):
+                return None, None, (
+                    "expected a prompt string or token ids for this decoder-only model, got an encoder-decoder "
+                    f"prompt (keys {sorted(prompt)})"
+                )
+            return None, prompt, None
+        if not isinstance(prompt, dict):
+            return prompt, None, None
+        unknown = sorted(set(prompt) - {"encoder_prompt", "decoder_prompt"})
+        if unknown:
+            return None, None, f"expected prompt keys 'encoder_prompt' and 'decoder_prompt', got {unknown}"
+        if prompt.get("encoder_prompt") is None:
+            return None, None, "expected an encoder prompt for this encoder-decoder model, got none"
+        return prompt["encoder_prompt"], prompt.get("decoder_prompt"), None
+
+    def _tokenize(self, prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int], str | None]:
+        """(text or None, token ids, error) of a text or token-id prompt."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 return prompt, [], "a text prompt needs a tokenizer; this model has none (pass token ids)"
-            return prompt, list(self.tokenizer.encode(prompt)), None
+            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)), None
         try:
             items = list(prompt)
         except TypeError:
@@ -86,6 +142,27 @@ class InputProcessor:
             return f"expected token ids in [0, {self.vocab_size}), got {bad[:5]}"
         if params.width > self.max_num_seqs:
             return f"expected n/best_of <= max_num_seqs ({self.max_num_seqs}), got {params.width}"
+        return None
+
+    def _check_encoder(self, token_ids: list[int]) -> str | None:
+        if not token_ids:
+            return "expected a non-empty encoder prompt, got 0 tokens"
+        if len(token_ids) > self.max_encoder_len:
+            return (
+                f"encoder prompt of {len(token_ids)} tokens is longer than the model's maximum of "
+                f"{self.max_encoder_len} tokens"
+            )
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            return f"expected encoder token ids in [0, {self.vocab_size}), got {bad[:5]}"
+        return None
+
+    def _check_step_budget(self, num_tokens: int) -> str | None:
+        if self.max_num_batched_tokens is not None and num_tokens > self.max_num_batched_tokens:
+            return (
+                f"expected encoder + decoder prompt tokens <= max_num_batched_tokens ({self.max_num_batched_tokens}), "
+                f"got {num_tokens}: an encoder-decoder prompt runs in one step (it is not chunked)"
+            )
         return None
 
     def _generators(self, params: SamplingParams) -> list[torch.Generator | None]:

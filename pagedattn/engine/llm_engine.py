@@ -54,6 +54,8 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             sliding_window=self.spec.builder_sliding_window,
             num_cpu_blocks=self.runner.num_cpu_blocks,
+            num_cross_blocks=self.runner.num_cross_blocks,
+            num_cpu_cross_blocks=self.runner.num_cpu_cross_blocks,
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -74,6 +76,9 @@ class LLMEngine:
             block_size=config.block_size,
             device=device,
             seq_ids=seq_ids,
+            max_encoder_len=self.spec.max_encoder_len,
+            decoder_start_token_id=self.spec.decoder_start_token_id,
+            max_num_batched_tokens=self.runner.max_num_batched_tokens,
         )
         self.output_processor = OutputProcessor(
             self.scheduler,
@@ -87,10 +92,11 @@ class LLMEngine:
         self._rejected: list[SequenceGroup] = []  # finished with an error before scheduling
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: str | list[int] | dict, params: SamplingParams | None = None, request_id: str | None = None
     ) -> SequenceGroup:
-        """Queue one request. A request that can never run finishes with finish_reason "error"
-        at the next `step`; the others go on."""
+        """Queue one request (an encoder-decoder model's prompt may be a dict with
+        "encoder_prompt" and "decoder_prompt", see `InputProcessor`). A request that can never
+        run finishes with finish_reason "error" at the next `step`; the others go on."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"expected SamplingParams, got {type(params).__name__}")

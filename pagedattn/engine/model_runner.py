@@ -7,6 +7,13 @@ Decode-only steps on CUDA replay graphs captured for batch sizes 1, 2, 4, 8, 16,
 (steps of 16) up to `max_num_seqs`, through the backend's `AttentionState`.
 A step returns what it sampled (`StepResult`): tokens and log-probabilities, and the full
 log-probabilities of beam-search rows, which the beam step scores itself.
+
+Encoder-decoder models (`spec.num_cross_layers > 0`) have a cross pool too: one cache tensor
+per cross-attention layer, with as many blocks as the decoder pool (a request's encoder
+prompt is bounded like its decoder tokens), in the same backend layout. The forward
+context's caches are the decoder layers' then the cross layers'. A step's encoder inputs are
+the encoder prompts of its prefills, in chunk order. Their decode steps run eagerly: the
+graph states' metadata carry no cross tables.
 """
 
 from __future__ import annotations
@@ -82,8 +89,11 @@ class ModelRunner:
         self.sampler = Sampler(self.default_generator)
 
         self.num_blocks = self._num_kv_blocks(config)
+        num_caches = self.spec.num_layers + self.spec.num_cross_layers
         shape = backend.get_kv_cache_shape(self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_size)
-        self.kv_caches = [torch.zeros(shape, dtype=self.cache_dtype, device=device) for _ in range(self.spec.num_layers)]
+        # Decoder layers' caches, then cross layers' (the layers' `layer_idx` order).
+        self.kv_caches = [torch.zeros(shape, dtype=self.cache_dtype, device=device) for _ in range(num_caches)]
+        self.num_cross_blocks = self.num_blocks if self.spec.num_cross_layers else 0
         self.num_cpu_blocks = self._num_cpu_blocks(config)
         cpu_shape = backend.get_kv_cache_shape(
             self.num_cpu_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_size
@@ -91,16 +101,18 @@ class ModelRunner:
         pin = device.type == "cuda"
         # Untouched CPU pages cost nothing until a swap writes them.
         self.cpu_caches = (
-            [torch.empty(cpu_shape, dtype=self.cache_dtype, pin_memory=pin) for _ in range(self.spec.num_layers)]
+            [torch.empty(cpu_shape, dtype=self.cache_dtype, pin_memory=pin) for _ in range(num_caches)]
             if self.num_cpu_blocks
             else []
         )
+        self.num_cpu_cross_blocks = self.num_cpu_blocks if self.spec.num_cross_layers else 0
         logger.info(
-            "KV cache: %d blocks of %d tokens on %s (%s), %d CPU swap blocks",
+            "KV cache: %d blocks of %d tokens on %s (%s), %d CPU swap blocks%s",
             self.num_blocks, self.block_size, device, self.cache_dtype, self.num_cpu_blocks,
+            " (decoder and cross pools each)" if self.spec.num_cross_layers else "",
         )
         self.graphs: dict[int, _Graph] = {}
-        if device.type == "cuda" and not config.enforce_eager:
+        if device.type == "cuda" and not config.enforce_eager and not self.spec.num_cross_layers:
             self._capture_graphs()
 
     # ------------------------------------------------------------------ sizing
@@ -109,7 +121,7 @@ class ModelRunner:
         per_block = math.prod(
             self.backend.get_kv_cache_shape(1, self.block_size, self.spec.num_kv_heads, self.spec.head_size)
         )
-        return per_block * self.cache_dtype.itemsize * self.spec.num_layers
+        return per_block * self.cache_dtype.itemsize * (self.spec.num_layers + self.spec.num_cross_layers)
 
     def _num_kv_blocks(self, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:
@@ -140,19 +152,26 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        seqs, positions = [], []
+        seqs, positions, encoder_positions = [], [], []
         tokens = self.max_num_batched_tokens
         while tokens > 0:
             n = min(tokens, self.spec.max_model_len)
-            seqs.append(ScheduledSeq(n, n, [0] * cdiv(n, self.block_size)))
+            # Encoder-decoder: the same tokens again through the encoder (its worst case too).
+            e = min(n, self.spec.max_encoder_len)
+            seqs.append(ScheduledSeq(n, n, [0] * cdiv(n, self.block_size), encoder_len=e))
             positions += range(n)
+            encoder_positions += range(e)
             tokens -= n
         ids = torch.zeros(len(positions), dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        encoder = None
+        if self.spec.num_cross_layers:
+            encoder_pos = torch.tensor(encoder_positions, dtype=torch.int64, device=self.device)
+            encoder = (torch.zeros_like(encoder_pos), encoder_pos)
         md = self.builder.build(seqs)
-        empty = [torch.empty(0, dtype=self.cache_dtype, device=self.device)] * self.spec.num_layers
+        empty = [torch.empty(0, dtype=self.cache_dtype, device=self.device)] * len(self.kv_caches)
         with forward_context(md, empty):
-            hidden = self.model(ids, pos)
+            hidden = self._forward(ids, pos, encoder)
         rows = min(self.max_num_seqs, hidden.shape[0])
         logits = self.model.compute_logits(hidden[-rows:])
         params = SamplingParams(temperature=1.0, top_k=2, top_p=0.5)
@@ -176,9 +195,10 @@ class ModelRunner:
         if out.num_steps > 1:
             return self._execute_multistep(out)
         ids, pos, sample_idx, seqs = self._prepare(out.chunks)
+        encoder = self._prepare_encoder(out.chunks)
         pad_to = self._graph_size(len(seqs)) if out.is_decode_only else None
         md = self.builder.build(seqs, cuda_graph_pad_to=pad_to)
-        hidden = self._run(md, ids, pos, pad_to)
+        hidden = self._run(md, ids, pos, pad_to, encoder)
         logits = self.model.compute_logits(hidden.index_select(0, sample_idx))  # [sampled chunks, V]
         return [self._sample(out.chunks, logits)]
 
@@ -239,16 +259,20 @@ class ModelRunner:
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
         # Order matters: swapped-out blocks may be reused by swap-ins and copies of this step.
-        if out.swap_out:
-            mapping = torch.tensor(out.swap_out, dtype=torch.int64)
-            for gpu, cpu in zip(self.kv_caches, self.cpu_caches):
-                self.backend.swap_blocks(gpu, cpu, mapping)
-        if out.swap_in:
-            mapping = torch.tensor(out.swap_in, dtype=torch.int64)
-            for gpu, cpu in zip(self.kv_caches, self.cpu_caches):
-                self.backend.swap_blocks(cpu, gpu, mapping)
-        if out.copies:
-            self.backend.copy_blocks(self.kv_caches, torch.tensor(out.copies, dtype=torch.int64).to(self.device))
+        n = self.spec.num_layers  # the decoder pool's caches come first, then the cross pool's
+        gpu_pools = ((self.kv_caches[:n], self.cpu_caches[:n]), (self.kv_caches[n:], self.cpu_caches[n:]))
+        for (gpus, cpus), pairs in zip(gpu_pools, (out.swap_out, out.cross_swap_out)):
+            if pairs:
+                mapping = torch.tensor(pairs, dtype=torch.int64)
+                for gpu, cpu in zip(gpus, cpus):
+                    self.backend.swap_blocks(gpu, cpu, mapping)
+        for (gpus, cpus), pairs in zip(gpu_pools, (out.swap_in, out.cross_swap_in)):
+            if pairs:
+                mapping = torch.tensor(pairs, dtype=torch.int64)
+                for gpu, cpu in zip(gpus, cpus):
+                    self.backend.swap_blocks(cpu, gpu, mapping)
+        if out.copies:  # cross blocks are never written after their prefill: no copy-on-write
+            self.backend.copy_blocks(self.kv_caches[:n], torch.tensor(out.copies, dtype=torch.int64).to(self.device))
 
     def _prepare(self, chunks: list[ScheduledChunk]):
         """Input ids and positions int64 [T], sampled-row indices int64 [S] (one H2D copy), and
@@ -269,11 +293,40 @@ class ModelRunner:
         t = len(ids)
         return flat[:t], flat[t : 2 * t], flat[2 * t :], seqs
 
-    def _run(self, md: AttentionMetadata, ids: torch.Tensor, pos: torch.Tensor, pad_to: int | None) -> torch.Tensor:
-        """hidden [T, H] (graph padding rows included when replayed)."""
+    def _prepare_encoder(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Encoder input ids and positions int64 [num_encoder_tokens]: the encoder prompts of
+        the step's prefills, in chunk order (as `build` lays out the encoder tokens); None when
+        the step runs no encoder."""
+        ids: list[int] = []
+        positions: list[int] = []
+        for c in chunks:
+            if c.num_encoder_tokens:
+                ids += c.seq.encoder_token_ids
+                positions += range(c.num_encoder_tokens)
+        if not ids:
+            return None
+        flat = torch.tensor(ids + positions, dtype=torch.int64).to(self.device)
+        return flat[: len(ids)], flat[len(ids) :]
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, encoder: tuple[torch.Tensor, torch.Tensor] | None):
+        """The model on one step's inputs (inside a forward context): hidden [T, H]."""
+        if self.spec.num_cross_layers:
+            return self.model(ids, pos, *(encoder or (None, None)))
+        return self.model(ids, pos)
+
+    def _run(
+        self,
+        md: AttentionMetadata,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        pad_to: int | None,
+        encoder: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """hidden [T, H] (graph padding rows included when replayed); `encoder`: the step's
+        encoder ids and positions (`_prepare_encoder`)."""
         if pad_to is None:
             with forward_context(md, self.kv_caches):
-                return self.model(ids, pos)
+                return self._forward(ids, pos, encoder)
         g = self.graphs[pad_to]
         g.state.prepare_graph_input_buffers(g.buffers, md)
         g.state.begin_forward(md)

@@ -169,6 +169,8 @@ class OutputProcessor:
             finished=group.is_finished,
             metrics=group.metrics,
             error=group.error,
+            encoder_prompt=group.encoder_prompt,
+            encoder_prompt_token_ids=group.encoder_prompt_token_ids,
         )
 
     def _decode(self, token_ids: list[int]) -> str:

@@ -45,3 +45,7 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     """Why the request finished with finish_reason "error" (e.g. a prompt longer than the context)."""
+    encoder_prompt: str | None = None
+    encoder_prompt_token_ids: list[int] | None = None
+    """An encoder-decoder request's encoder prompt (then `prompt`/`prompt_token_ids` are the
+    decoder's, its start token included); None for decoder-only models."""

@@ -11,6 +11,14 @@ Requests are served first come, first served:
    prefix; the first that does not fit stops admission (head-of-line, so order is kept).
 Beam-search groups move in lockstep: their beams' last tokens are computed in one step (a
 beam is scored against the others), earlier tokens may be chunked.
+
+Encoder-decoder requests: a sequence's prefill step runs its encoder prompt through the
+encoder (the step's encoder tokens are those of its prefills) and writes the cross K/V into
+its cross blocks, taken when the step is committed. Every later step is a decode that reads
+them. So such a prefill is never chunked (a second chunk would be a prefill too and run the
+encoder again, as vLLM V0 also refused): it computes all its uncomputed tokens in one step,
+and its encoder tokens count against the step's token budget. A recompute preemption frees
+the cross blocks; the recomputing prefill runs the encoder again.
 """
 
 from __future__ import annotations
@@ -47,6 +55,11 @@ class ScheduledChunk:
         """The step's query_len for this sequence."""
         return self.scheduled.query_len
 
+    @property
+    def num_encoder_tokens(self) -> int:
+        """Encoder tokens this chunk runs: its encoder prompt when it is a prefill, else 0."""
+        return _encoder_tokens(self.scheduled)
+
     def sampling_rows(self) -> list[tuple[SamplingParams, torch.Generator | None]]:
         """What the sampler draws for this chunk, one (params, generator) per token: none when
         the chunk is not sampled or belongs to a beam search (scored on full log-probabilities),
@@ -65,13 +78,16 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (GPU block, CPU block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (CPU block, GPU block)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) GPU blocks
+    cross_swap_out: list[tuple[int, int]] = field(default_factory=list)  # cross pool (GPU block, CPU block)
+    cross_swap_in: list[tuple[int, int]] = field(default_factory=list)  # cross pool (CPU block, GPU block)
     num_steps: int = 1  # decode steps to run back to back (multi-step); 1 unless decode-only
     preempted: list[SequenceGroup] = field(default_factory=list)
     errored: list[SequenceGroup] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        """Tokens the step computes: query tokens and encoder tokens."""
+        return sum(c.num_tokens + c.num_encoder_tokens for c in self.chunks)
 
     @property
     def is_decode_only(self) -> bool:
@@ -212,10 +228,13 @@ class Scheduler:
             need = self.bm.swap_in_cost(seqs) + sum(
                 max(0, cdiv(self._target(st), self.block_size) - len(s.block_table)) + 1 for s, st, _ in plan
             )
-            if need > self.bm.num_free_blocks - self.watermark:
+            cross_need = self.bm.cross_swap_in_cost(seqs)
+            if need > self.bm.num_free_blocks - self.watermark or cross_need > self.bm.num_free_cross_blocks:
                 return
             self.swapped.popleft()
-            out.swap_in += self.bm.swap_in(seqs)
+            moves, cross_moves = self.bm.swap_in(seqs)
+            out.swap_in += moves
+            out.cross_swap_in += cross_moves
             self._commit(group, plan, out, budget)
             self.running.append(group)
 
@@ -223,7 +242,7 @@ class Scheduler:
         while self.waiting and budget.tokens > 0:
             group = self.waiting[0]
             seqs = group.live_seqs
-            if self._min_blocks(group) > self.bm.num_blocks:
+            if self._min_blocks(group) > self.bm.num_blocks or self._cross_blocks(group) > self.bm.cross.num_blocks:
                 self.abort(group, self._too_big_message(group))
                 out.errored.append(group)
                 continue
@@ -233,7 +252,11 @@ class Scheduler:
             for seq in seqs:
                 self.bm.allocate_prefix(seq)
             plan = self._plan(group, budget.tokens, budget.seqs)
-            if not plan or self._blocks_needed(plan) > self.bm.num_free_blocks - self.watermark:
+            if (
+                not plan
+                or self._blocks_needed(plan) > self.bm.num_free_blocks - self.watermark
+                or self._cross_blocks(group) > self.bm.num_free_cross_blocks
+            ):
                 for seq in seqs:  # roll back the taken prefix; cached blocks stay cached
                     self.bm.free(seq)
                     seq.reset_for_recompute()
@@ -254,13 +277,16 @@ class Scheduler:
     def _plan(self, group: SequenceGroup, token_cap: int, seq_cap: int) -> Plan:
         seqs = group.live_seqs
         remaining = [s.num_uncomputed_tokens for s in seqs]
+        # An encoder-decoder prefill costs its encoder tokens too and is never chunked.
+        costs = [r + _encoder_tokens(_step(s, r)) for s, r in zip(seqs, remaining)]
+        chunked = self.chunked and not any(s.encoder_len for s in seqs)
         if group.is_beam and len(seqs) > 1:
             if len(seqs) > seq_cap:
                 return []
-            if sum(remaining) <= token_cap:
+            if sum(costs) <= token_cap:
                 return [(s, _step(s, r), True) for s, r in zip(seqs, remaining)]
             plan: Plan = []
-            left = token_cap if self.chunked else 0
+            left = token_cap if chunked else 0
             for s, r in zip(seqs, remaining):  # everything but the last tokens, chunked
                 n = min(r - 1, left)
                 if n > 0:
@@ -269,13 +295,13 @@ class Scheduler:
             return plan
         plan = []
         left = token_cap
-        for s, r in zip(seqs, remaining):
+        for s, r, cost in zip(seqs, remaining, costs):
             if left <= 0 or len(plan) == seq_cap:
                 break
-            if r <= left:
+            if cost <= left:
                 plan.append((s, _step(s, r), True))
-                left -= r
-            elif self.chunked:
+                left -= cost
+            elif chunked:
                 plan.append((s, _step(s, left), False))
                 left = 0
         return plan
@@ -287,6 +313,10 @@ class Scheduler:
     def _blocks_needed(self, plan: Plan) -> int:
         return sum(self.bm.blocks_needed(s, self._target(st)) for s, st, _ in plan)
 
+    def _cross_blocks(self, group: SequenceGroup) -> int:
+        """Cross blocks the group takes when admitted (each of its sequences has its own)."""
+        return sum(self.bm.cross_blocks_needed(s) for s in group.live_seqs)
+
     def _min_blocks(self, group: SequenceGroup) -> int:
         """A lower bound of the blocks the group needs to make progress: its longest sequence
         and the slot of its next token (sequences may share blocks)."""
@@ -294,9 +324,12 @@ class Scheduler:
 
     def _too_big_message(self, group: SequenceGroup) -> str:
         tokens = sum(len(s) for s in group.live_seqs)
+        encoder = sum(s.encoder_len for s in group.live_seqs)
         return (
-            f"request {group.request_id} ({len(group.live_seqs)} sequences, {tokens} tokens) needs more "
-            f"KV-cache blocks than the pool of {self.bm.num_blocks} blocks of {self.block_size} tokens holds"
+            f"request {group.request_id} ({len(group.live_seqs)} sequences, {tokens} tokens"
+            f"{f', {encoder} encoder tokens' if encoder else ''}) needs more KV-cache blocks than "
+            f"{'each pool (decoder, cross)' if encoder else 'the pool'} of {self.bm.num_blocks} blocks "
+            f"of {self.block_size} tokens holds"
         )
 
     def _commit(self, group: SequenceGroup, plan: Plan, out: SchedulerOutput, budget: _Budget) -> None:
@@ -304,10 +337,13 @@ class Scheduler:
             group.metrics.first_scheduled_time = time.perf_counter()
         for seq, step, sample in plan:
             out.copies += self.bm.ensure_slots(seq, self._target(step))
-            # A copy: the block manager edits `seq.block_table` in place after the step.
-            scheduled = dataclasses.replace(step, block_table=tuple(seq.block_table))
+            self.bm.ensure_cross_blocks(seq)
+            # Copies: the block manager edits the tables in place after the step.
+            scheduled = dataclasses.replace(
+                step, block_table=tuple(seq.block_table), cross_block_table=tuple(seq.cross_block_table)
+            )
             out.chunks.append(ScheduledChunk(seq, group, scheduled, sample))
-            budget.tokens -= step.query_len
+            budget.tokens -= step.query_len + _encoder_tokens(step)
             budget.seqs -= 1
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
@@ -316,7 +352,9 @@ class Scheduler:
         out.preempted.append(group)
         wants_swap = self.preemption_mode == "swap" or (self.preemption_mode == "auto" and len(seqs) > 1)
         if wants_swap and self.bm.can_swap_out(seqs):
-            out.swap_out += self.bm.swap_out(seqs)
+            moves, cross_moves = self.bm.swap_out(seqs)
+            out.swap_out += moves
+            out.cross_swap_out += cross_moves
             self._insert_by_arrival(self.swapped, group)
             return
         for seq in seqs:
@@ -342,5 +380,10 @@ class _Budget:
 
 
 def _step(seq: Sequence, num_tokens: int) -> ScheduledSeq:
-    """`seq` computing its next `num_tokens` tokens (the block table is added at commit)."""
-    return ScheduledSeq(seq_len=seq.num_computed_tokens + num_tokens, query_len=num_tokens)
+    """`seq` computing its next `num_tokens` tokens (the block tables are added at commit)."""
+    return ScheduledSeq(seq_len=seq.num_computed_tokens + num_tokens, query_len=num_tokens, encoder_len=seq.encoder_len)
+
+
+def _encoder_tokens(step: ScheduledSeq) -> int:
+    """Encoder tokens a step runs: a prefill's encoder prompt (0 for decoder-only models)."""
+    return step.encoder_len if step.is_prefill else 0

@@ -25,15 +25,24 @@ class Sequence:
     `num_computed_tokens`: leading tokens whose K/V are in the cache (the vocabulary's
     context_len of the next step). Tokens past it are computed by the next steps; a running
     sequence has at least one (the last sampled token).
+
+    Encoder-decoder models: `token_ids` are the decoder's; `encoder_token_ids` (the encoder
+    prompt, never changed) run through the encoder on the sequence's prefill step, which writes
+    their cross-attention K/V into the blocks of `cross_block_table` (the cross pool's). Those
+    blocks hold the request's encoder output: forks share them, as they share decoder blocks.
     """
 
-    def __init__(self, seq_id: int, prompt_token_ids: list[int], block_size: int):
+    def __init__(
+        self, seq_id: int, prompt_token_ids: list[int], block_size: int, encoder_token_ids: tuple[int, ...] = ()
+    ):
         self.seq_id = seq_id
         self.block_size = block_size
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        self.encoder_token_ids = tuple(encoder_token_ids)
+        self.cross_block_table: list[int] = []
         self.status = SeqStatus.WAITING
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
@@ -52,6 +61,11 @@ class Sequence:
             f"Sequence(id={self.seq_id}, len={len(self)}, computed={self.num_computed_tokens}, "
             f"status={self.status.value}, blocks={self.block_table})"
         )
+
+    @property
+    def encoder_len(self) -> int:
+        """Encoder tokens (0 for a decoder-only model's sequence)."""
+        return len(self.encoder_token_ids)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -78,13 +92,19 @@ class Sequence:
         self.cumulative_logprob += logprob
 
     def block_hash(self, i: int) -> int:
-        """Chained hash of full block `i`: hash((hash of block i-1 or None, its token ids))."""
+        """Chained hash of full block `i`: hash((hash of block i-1, its token ids)). Block 0's
+        parent is None, or the hash of the encoder prompt: a decoder's K/V depend on the encoder
+        output through cross-attention, so equal decoder tokens over different encoder prompts
+        must not share blocks."""
         bs = self.block_size
         if (i + 1) * bs > len(self.token_ids):
             raise ValueError(f"block {i} is not full: sequence has {len(self.token_ids)} tokens of block size {bs}")
         while len(self._block_hashes) <= i:
             j = len(self._block_hashes)
-            parent = self._block_hashes[j - 1] if j else None
+            if j:
+                parent = self._block_hashes[j - 1]
+            else:
+                parent = hash(self.encoder_token_ids) if self.encoder_token_ids else None
             self._block_hashes.append(hash((parent, tuple(self.token_ids[j * bs : (j + 1) * bs]))))
         return self._block_hashes[i]
 
@@ -97,6 +117,7 @@ class Sequence:
         child.seq_id = seq_id
         child.token_ids = list(self.token_ids)
         child.block_table = []
+        child.cross_block_table = []
         child._block_hashes = list(self._block_hashes)
         child.generator = None
         child.detokenizer = copy.deepcopy(self.detokenizer) if self.detokenizer is not None else None
@@ -107,6 +128,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_registered_blocks = 0
         self.block_table = []
+        self.cross_block_table = []
         self.status = SeqStatus.WAITING
 
 
@@ -129,6 +151,8 @@ class SequenceGroup:
     params: SamplingParams
     seqs: list[Sequence]
     arrival_index: int
+    encoder_prompt: str | None = None
+    encoder_prompt_token_ids: list[int] | None = None  # None: a decoder-only request
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
     generators: list[torch.Generator | None] = field(default_factory=list)  # per completion, seeded requests
     forked: bool = False

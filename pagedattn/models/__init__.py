@@ -13,6 +13,7 @@ ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "pagedattn.models.llama",
     "Qwen2ForCausalLM": "pagedattn.models.llama",
     "Gemma2ForCausalLM": "pagedattn.models.gemma2",
+    "BartForConditionalGeneration": "pagedattn.models.bart",
 }
 """Supported architecture name -> module holding the class of that name."""
 

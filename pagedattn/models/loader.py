@@ -7,6 +7,7 @@ transformers parses configs and tokenizers of both kinds; the weights are read h
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterator
@@ -51,12 +52,26 @@ class ModelSpec:
     builder_sliding_window: int | None
     """The window when every layer has the same one, else None: only then may a metadata builder trim block tables."""
     has_chat_template: bool
+    num_cross_layers: int = 0
+    """Cross-attention layers of an encoder-decoder model (0: decoder-only). `num_layers` counts
+    the decoder's self-attention layers; both kinds have the same heads and head size."""
+    max_encoder_len: int = 0
+    """The longest encoder prompt (0: decoder-only)."""
+    decoder_start_token_id: int | None = None
+    """The decoder prompt's first token (encoder-decoder models)."""
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.num_cross_layers > 0
 
 
 @dataclass(frozen=True)
 class LoadedModel:
     model: nn.Module
-    """`forward(input_ids int64 [T], positions int64 [T]) -> [T, hidden]`, `compute_logits([N, hidden]) -> float32 [N, vocab]`."""
+    """`forward(input_ids int64 [T], positions int64 [T]) -> [T, hidden]`,
+    `compute_logits([N, hidden]) -> float32 [N, vocab]`. Encoder-decoder models:
+    `forward(input_ids, positions, encoder_input_ids, encoder_positions)`, the encoder's int64
+    [num_encoder_tokens] or both None (a step that runs no encoder)."""
     tokenizer: object
     """A transformers tokenizer."""
     spec: ModelSpec
@@ -120,7 +135,11 @@ def load_model(
     net.eval().requires_grad_(False)
     for impl in attention_impls(net):  # backends that plan ahead (FlashInfer) plan from step one
         impl.set_query_dtype(dtype)
-    return LoadedModel(net, tokenizer, _spec(architecture, config, tokenizer, dtype, extra_eos))
+    spec = _spec(architecture, config, tokenizer, dtype, extra_eos)
+    spec_fields = getattr(cls, "spec_fields", None)  # families whose config names differ (encoder-decoder)
+    if spec_fields is not None:
+        spec = dataclasses.replace(spec, **spec_fields(config))
+    return LoadedModel(net, tokenizer, spec)
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:
@@ -156,6 +175,8 @@ def _hf_architecture(config) -> str:
 
 
 def _spec(architecture: str, config, tokenizer, dtype: torch.dtype, extra_eos) -> ModelSpec:
+    """The spec as decoder-only configs name things; a model class's `spec_fields(config)`
+    (a dict of ModelSpec fields) overrides it."""
     windows = layer_sliding_windows(config)
     eos: set[int] = set()
     for ids in (config.eos_token_id, tokenizer.eos_token_id, *extra_eos):

@@ -95,7 +95,7 @@ class Driver:
         if running := self.running():
             seq = self.rng.choice(running)
             if self.bm.can_swap_out([seq]):
-                for g, c in self.bm.swap_out([seq]):
+                for g, c in self.bm.swap_out([seq])[0]:
                     self.cpu[c] = list(self.gpu[g])
 
     def op_swap_in(self):
@@ -103,7 +103,7 @@ class Driver:
         if swapped:
             seq = self.rng.choice(swapped)
             if self.bm.swap_in_cost([seq]) <= self.bm.num_free_blocks:
-                for c, g in self.bm.swap_in([seq]):
+                for c, g in self.bm.swap_in([seq])[0]:
                     self.gpu[g] = list(self.cpu[c])
 
     def op_recompute(self):
