@@ -123,6 +123,7 @@ class MetadataBuilder:
             decode_seq_start_loc=i32[5] if mixed else None,
             slots_all_real=cuda_graph_pad_to is None,
             max_block_id=max_block_id,
+            fresh_prefills=all(s.context_len == 0 for s in seqs[:num_prefills]),
         )
         if enc:
             md.num_encoder_tokens = enc["num_tokens"]

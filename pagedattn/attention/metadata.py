@@ -48,6 +48,7 @@ class AttentionMetadata:
     # Host facts that let `forward` check and skip work without reading the device:
     slots_all_real: bool = False  # no slot is -1 (a store needs no padding guard); stays exact under advance_step
     max_block_id: int = 0  # the largest block id in `block_tables` (checked against the cache's pool)
+    fresh_prefills: bool = False  # every prefill is a fresh prompt (context_len 0): its keys are the step's own
     # Encoder-decoder models: the encoder tokens of the step are those of its prefills.
     num_encoder_tokens: int = 0
     encoder_seq_lens: list[int] | None = None  # host [B]

@@ -21,7 +21,6 @@ version; `provider()` and `pagedattn info` say so.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 
@@ -56,7 +55,7 @@ class FlashAttnBackend(AttentionBackend):
 
     @staticmethod
     def get_metadata_cls() -> type[AttentionMetadata]:
-        return FlashAttnMetadata
+        return triton_backend.TritonMetadata  # the common fields, advance_step as one kernel
 
     @staticmethod
     def get_builder_cls() -> type[MetadataBuilder]:
@@ -71,19 +70,8 @@ class FlashAttnBackend(AttentionBackend):
         triton_backend.TritonBackend.copy_blocks(kv_caches, src_to_dists)
 
 
-@dataclasses.dataclass
-class FlashAttnMetadata(triton_backend.TritonMetadata):
-    """The common metadata (advance_step as one kernel) plus one host fact: every prefill of
-    the step is a fresh prompt (context_len 0), so prefills attend over the step's own K/V."""
-
-    fresh_prefills: bool = False
-
-
 class FlashAttnMetadataBuilder(MetadataBuilder):
     backend = FlashAttnBackend
-
-    def _extend(self, md: FlashAttnMetadata, seqs) -> None:
-        md.fresh_prefills = all(s.context_len == 0 for s in seqs[: md.num_prefills])
 
 
 class FlashAttnState(AttentionState):

@@ -113,11 +113,9 @@ class XFormersBackend(AttentionBackend):
 
 @dataclasses.dataclass
 class XFormersMetadata(triton_backend.TritonMetadata):
-    """The common metadata (advance_step as one kernel), whether every prefill of the step is a
-    fresh prompt (its keys are the step's own), and the step's xFormers plans per part and
-    layer options (built by the first layer that needs one)."""
+    """The common metadata (advance_step as one kernel) and the step's xFormers plans per part
+    and layer options (built by the first layer that needs one)."""
 
-    fresh_prefills: bool = False
     xformers_plans: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def _part_fields(self) -> dict:
@@ -126,9 +124,6 @@ class XFormersMetadata(triton_backend.TritonMetadata):
 
 class XFormersMetadataBuilder(MetadataBuilder):
     backend = XFormersBackend
-
-    def _extend(self, md: XFormersMetadata, seqs) -> None:
-        md.fresh_prefills = all(s.context_len == 0 for s in seqs[: md.num_prefills])
 
 
 class XFormersState(AttentionState):
