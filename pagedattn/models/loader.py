@@ -179,7 +179,7 @@ def load_model(
         extra_eos = _generation_eos(path)
     elif path.suffix == ".gguf":
         config, architecture, weights = read_gguf(path)
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        tokenizer = _gguf_tokenizer(path)
         extra_eos = ()
     else:
         raise ValueError(
@@ -210,6 +210,38 @@ def load_model(
             )
         spec = dataclasses.replace(spec, max_model_len=max_model_len)
     return LoadedModel(net, tokenizer, spec)
+
+
+def _gguf_tokenizer(path: Path):
+    """The tokenizer of a GGUF file. transformers builds it by parsing the file's metadata again
+    (seconds: the token lists), so it is built once per file and kept as `tokenizer.json` under
+    `tokenizer_cache_dir()`, keyed by the file's path, size, mtime and transformers' version."""
+    import hashlib
+
+    import transformers
+    from transformers import AutoTokenizer
+
+    stat = path.resolve().stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    folder = tokenizer_cache_dir() / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if (folder / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(folder)
+        except (OSError, ValueError):  # a damaged cache entry: build it again below
+            pass
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    try:
+        tokenizer.save_pretrained(folder)
+    except OSError:  # a read-only cache: the next start-up parses again, nothing worse
+        pass
+    return tokenizer
+
+
+def tokenizer_cache_dir() -> Path:
+    """Where GGUF tokenizers are kept: `$PAGEDATTN_CACHE/gguf-tokenizers`, else under
+    `$XDG_CACHE_HOME/pagedattn` (default `~/.cache/pagedattn`)."""
+    root = os.environ.get("PAGEDATTN_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedattn"
+    return Path(root).expanduser() / "gguf-tokenizers"
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:
