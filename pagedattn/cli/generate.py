@@ -66,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
     engine = llm.engine
     use_template = not args.no_chat_template and engine.spec.has_chat_template
     if args.system is not None and not use_template:
-        raise UsageError(f"expected a model with a chat template for --system, got {args.model or 'the default'!r} without one")
+        model = args.model or "the default model"
+        raise UsageError(f"expected a model with a chat template for --system, got {model!r} without one")
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
     prompts = [chat_prompt(llm.tokenizer, [*system, {"role": "user", "content": q}]) if use_template else q
                for q in questions]

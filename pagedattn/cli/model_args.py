@@ -38,7 +38,9 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) 
     group.add_argument("--top-p", type=float, default=1.0)
     group.add_argument("--top-k", type=int, default=-1, help="-1: every token")
     group.add_argument("--seed", type=int, default=None, help="makes sampling reproducible (default: a fresh seed)")
-    group.add_argument("--stop", action="append", default=None, metavar="TEXT", help="end the answer at TEXT (repeatable)")
+    group.add_argument(
+        "--stop", action="append", default=None, metavar="TEXT", help="end the answer at TEXT (repeatable)"
+    )
     group.add_argument("-n", type=int, default=1, dest="n", help="answers per prompt")
 
 
@@ -94,6 +96,8 @@ def load_llm(config):
 
 def _flag_names(message: str) -> str:
     """An engine message ("expected 0 < top_p <= 1") in the flags' spelling ("expected 0 < --top-p <= 1")."""
+    if message.startswith("expected n "):
+        return "expected -n " + message[len("expected n "):]
     return _FLAG_NAME.sub(lambda m: "--" + m.group(0).replace("_", "-"), message, count=1)
 
 

@@ -240,7 +240,9 @@ def _gguf_tokenizer(path: Path):
 def tokenizer_cache_dir() -> Path:
     """Where GGUF tokenizers are kept: `$PAGEDATTN_CACHE/gguf-tokenizers`, else under
     `$XDG_CACHE_HOME/pagedattn` (default `~/.cache/pagedattn`)."""
-    root = os.environ.get("PAGEDATTN_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedattn"
+    root = os.environ.get("PAGEDATTN_CACHE")
+    if not root:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedattn"
     return Path(root).expanduser() / "gguf-tokenizers"
 
 

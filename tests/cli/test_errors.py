@@ -26,13 +26,13 @@ def no_loading(monkeypatch):
         (["generate", "--backend", "bogus"], "Valid names: auto, torch"),
         (["generate", "--model", "/nope/model"], "--model"),
         (["generate", "--model", "missing.gguf"], "--model"),
-        (["generate", "--device", "cuda:7"] , "--device"),
+        (["generate", "--device", "cuda:7"], "--device"),
         (["generate", "--device", "tpu"], "--device"),
         (["generate", "--top-p", "1.5"], "--top-p"),
         (["generate", "--top-k", "-3"], "--top-k"),
         (["generate", "--temperature", "-1"], "--temperature"),
         (["generate", "--max-tokens", "0"], "--max-tokens"),
-        (["generate", "-n", "0"], "expected n "),
+        (["generate", "-n", "0"], "expected -n to be"),
         (["generate", "--stop", ""], "--stop"),
         (["generate", "--dtype", "int8"], "--dtype"),
         (["generate", "--kv-cache-dtype", "int4"], "--kv-cache-dtype"),
@@ -80,7 +80,9 @@ def test_missing_extra_names_the_pip_install(monkeypatch, tiny_chat, capsys):
     from pagedattn.models.loader import MissingExtraError
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a)
+    )
     with pytest.raises(MissingExtraError, match=r"pip install 'pagedattn\[hf\]'"):
         LLM(tiny_chat, device="cpu")
     assert main(["generate", "hi", "--model", tiny_chat]) == 2

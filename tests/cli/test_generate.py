@@ -108,7 +108,8 @@ def test_pool_too_small_for_the_context_is_refused(tiny_chat):
     from pagedattn.engine.config import EngineConfig
     from pagedattn.engine.llm_engine import LLMEngine
 
-    with pytest.raises(ValueError, match=r"max_model_len=128 tokens .* \(--num-kv-blocks\) to at least 9, or lower max_model_len"):
+    expected = r"max_model_len=128 tokens .* \(--num-kv-blocks\) to at least 9, or lower max_model_len"
+    with pytest.raises(ValueError, match=expected):
         LLMEngine(EngineConfig(model=tiny_chat, device="cpu", cpu_kv_cache_gib=1e-6))
 
 
