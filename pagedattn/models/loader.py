@@ -41,12 +41,19 @@ class MissingExtraError(ImportError):
 
 def require_hf_extra() -> None:
     """Raise MissingExtraError naming `pip install 'pagedattn[hf]'` when a module of the extra is absent."""
-    missing = [m for m in HF_EXTRA_MODULES if importlib.util.find_spec(m) is None]
+    missing = [m for m in HF_EXTRA_MODULES if not _importable(m)]
     if missing:
         raise MissingExtraError(
             f"loading a model needs the [hf] extra (missing: {', '.join(missing)}); "
             "install it with `pip install 'pagedattn[hf]'`"
         )
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ValueError:  # imported already, without a spec: present
+        return True
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> Path:
