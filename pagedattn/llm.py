@@ -32,9 +32,14 @@ class LLM:
     enforce_eager: never capture CUDA graphs.
     swap_space_gib: CPU memory for sequences preempted by swapping (0: always recompute).
     gpu_memory_utilization: fraction of device memory the model, activations and KV cache may use.
-    num_kv_blocks: fixes the KV pool size instead of sizing it from memory.
+    num_kv_blocks: fixes the KV pool size instead of sizing it from memory (a pool sized from
+        memory must hold one request of `max_model_len` tokens, else ValueError says which
+        knob to raise).
+    max_model_len: caps the context (prompt + completion) below the model's own; a smaller
+        context needs a smaller KV pool.
     seed: seeds the sampling of requests that have no seed of their own.
-    Invalid values raise ValueError saying what was expected.
+    Invalid values raise ValueError saying what was expected; a missing `[hf]` extra raises
+    `MissingExtraError` (an ImportError) naming the `pip install` to run.
     """
 
     def __init__(
@@ -55,6 +60,7 @@ class LLM:
         swap_space_gib: float = 4,
         gpu_memory_utilization: float = 0.9,
         num_kv_blocks: int | None = None,
+        max_model_len: int | None = None,
         seed: int = 0,
     ):
         self.config = EngineConfig(
@@ -73,9 +79,26 @@ class LLM:
             swap_space_gib=swap_space_gib,
             gpu_memory_utilization=gpu_memory_utilization,
             num_kv_blocks=num_kv_blocks,
+            max_model_len=max_model_len,
             seed=seed,
         )
-        self.engine = LLMEngine(self.config)
+        self.engine = LLMEngine(self.config, self._load() if max_model_len is not None else None)
+
+    def _load(self):
+        """The model with its context capped at `max_model_len` (LLMEngine loads it uncapped)."""
+        from pagedattn.attention import get_backend
+        from pagedattn.models.loader import load_model
+
+        device = self.config.resolved_device()
+        backend = "torch" if self.config.backend == "auto" and device.type == "cpu" else self.config.backend
+        return load_model(
+            self.config.model,
+            dtype=self.config.dtype,
+            device=device,
+            attention_backend=get_backend(backend).get_name(),
+            kv_cache_dtype=self.config.kv_cache_dtype,
+            max_model_len=self.config.max_model_len,
+        )
 
     @property
     def tokenizer(self):

@@ -11,17 +11,20 @@ from pagedattn.dtypes import KV_CACHE_DTYPE_NAMES
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 DTYPE_NAMES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 DEFAULT_CHUNKED_BATCHED_TOKENS = 2048
-CPU_KV_CACHE_GIB = 0.25
+CPU_KV_CACHE_GIB = 0.5
 """KV pool budget on the CPU, where free memory says nothing useful (`num_kv_blocks` overrides it).
 
 The pool is allocated (and zeroed, so resident) once; this bound keeps it modest next to the
-model (SmolLM2-135M in float32: 0.5 GiB of weights, 45 KiB of K/V per token, so 5.8k tokens)."""
+model while holding the default model's whole context (SmolLM2-135M in float32: 0.5 GiB of
+weights, 45 KiB of K/V per token, so 11.6k tokens against its 8,192)."""
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Every knob of the engine, checked once here; nothing below the engine sees this object.
 
+    `max_model_len` caps the model's context (None: the model's own); the KV pool must hold
+    one request of that many tokens.
     `preemption_mode` and `cpu_kv_cache_gib` are engine-level extras not exposed by `LLM`:
     "auto" swaps groups of several sequences (n > 1, beam search) when the CPU pool has room
     and recomputes single sequences, like vLLM; "recompute"/"swap" force one mode.
@@ -42,6 +45,7 @@ class EngineConfig:
     swap_space_gib: float = 4
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None
+    max_model_len: int | None = None
     seed: int = 0
     preemption_mode: str = "auto"
     cpu_kv_cache_gib: float = CPU_KV_CACHE_GIB
@@ -55,6 +59,8 @@ class EngineConfig:
             _int_at_least("max_num_batched_tokens", self.max_num_batched_tokens, self.max_num_seqs)
         if self.num_kv_blocks is not None:
             _int_at_least("num_kv_blocks", self.num_kv_blocks, 1)
+        if self.max_model_len is not None:
+            _int_at_least("max_model_len", self.max_model_len, 1)
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"expected {name} to be a bool, got {getattr(self, name)!r}")
@@ -65,10 +71,7 @@ class EngineConfig:
         if not (isinstance(self.device, (str, torch.device))):
             raise ValueError(f"expected device 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.device != "auto":
-            try:
-                torch.device(self.device)
-            except RuntimeError:
-                raise ValueError(f"expected device 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}") from None
+            _check_device(self.device)
         if not isinstance(self.dtype, torch.dtype) and self.dtype not in DTYPE_NAMES:
             raise ValueError(f"expected dtype in {list(DTYPE_NAMES)} or a torch.dtype, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
@@ -103,6 +106,23 @@ class EngineConfig:
         if self.enable_chunked_prefill:
             return max(DEFAULT_CHUNKED_BATCHED_TOKENS, self.max_num_seqs)
         return max(DEFAULT_CHUNKED_BATCHED_TOKENS, max_model_len, self.max_num_seqs)
+
+
+def _check_device(device: str | torch.device) -> None:
+    """Refuse a device that this machine does not have, before any model is loaded."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"expected device 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if dev.type == "cpu":
+        return
+    if dev.type != "cuda":
+        raise ValueError(f"expected device 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ValueError(f"expected device 'cpu' or 'auto' (no CUDA device is available here), got {device!r}")
+    if dev.index is not None and dev.index >= count:
+        raise ValueError(f"expected a CUDA device index < {count}, got {device!r}")
 
 
 def _is_number(x) -> bool:

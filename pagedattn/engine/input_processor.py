@@ -1,6 +1,7 @@
 """Before a request is queued: its prompt as token ids, checked, and its `SequenceGroup`.
 
-A request that can never run (an empty prompt, ids that are not ints or not in the
+A request's `max_tokens` is clamped to what the context leaves after its prompt (at least
+one token). A request that can never run (an empty prompt, ids that are not ints or not in the
 vocabulary, a prompt longer than the context, more sequences than a step holds) is not
 raised: it becomes a group finished with finish_reason "error", so the others go on.
 
@@ -15,6 +16,7 @@ decoder prompts over the step budget (encoder-decoder prefills are not chunked).
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Iterator
 
@@ -80,6 +82,10 @@ class InputProcessor:
             error = error or self._check_step_budget(len(encoder_ids) + len(token_ids))
         if error is None:
             error = self._check(token_ids, params)
+        if error is None and len(token_ids) + params.max_tokens > self.max_model_len:
+            # The context bounds the completion: a request asks no more than it can get, so the
+            # pool (which holds one request of the whole context) never runs out under it alone.
+            params = dataclasses.replace(params, max_tokens=max(1, self.max_model_len - len(token_ids)))
         seq = Sequence(next(self.seq_ids), token_ids, self.block_size, tuple(encoder_ids or ()))
         group = SequenceGroup(
             request_id, text, token_ids, params, [seq], index,

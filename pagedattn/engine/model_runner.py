@@ -124,20 +124,34 @@ class ModelRunner:
         return per_block * self.cache_dtype.itemsize * (self.spec.num_layers + self.spec.num_cross_layers)
 
     def _num_kv_blocks(self, config: EngineConfig) -> int:
+        """The pool's blocks: `num_kv_blocks` as given (tests shrink it on purpose), else sized
+        from memory and refused, as vLLM does, when one request of the whole context cannot fit."""
         if config.num_kv_blocks is not None:
+            if config.num_kv_blocks < self.max_blocks_per_seq:
+                logger.warning(
+                    "num_kv_blocks=%d holds fewer tokens (%d) than one request of max_model_len=%d",
+                    config.num_kv_blocks, config.num_kv_blocks * self.block_size, self.spec.max_model_len,
+                )
             return config.num_kv_blocks
         if self.device.type == "cuda":
             free = self._profile_free_bytes(config.gpu_memory_utilization)
             num = int(free // self._block_bytes())
-            if num < 1:
-                raise RuntimeError(
-                    f"expected room for KV-cache blocks after loading the model, got {free / _GIB:.2f} GiB "
-                    f"at gpu_memory_utilization={config.gpu_memory_utilization}; raise it or lower max_num_batched_tokens"
-                )
-            return num
-        # The CPU budget; more blocks than max_num_seqs full-length sequences would never be used.
-        num = int(config.cpu_kv_cache_gib * _GIB // self._block_bytes())
-        return max(1, min(num, self.max_num_seqs * self.max_blocks_per_seq))
+            budget = f"{max(free, 0) / _GIB:.2f} GiB free at gpu_memory_utilization={config.gpu_memory_utilization}"
+            raise_hint = "raise gpu_memory_utilization (--gpu-memory-utilization)"
+        else:
+            # The CPU budget; more blocks than max_num_seqs full-length sequences would never be used.
+            num = int(config.cpu_kv_cache_gib * _GIB // self._block_bytes())
+            num = min(num, self.max_num_seqs * self.max_blocks_per_seq)
+            budget = f"the CPU budget of {config.cpu_kv_cache_gib} GiB"
+            raise_hint = f"set num_kv_blocks (--num-kv-blocks) to at least {self.max_blocks_per_seq}"
+        if num < self.max_blocks_per_seq:
+            raise ValueError(
+                f"expected the KV pool to hold one request of max_model_len={self.spec.max_model_len} tokens "
+                f"({self.max_blocks_per_seq} blocks of {self.block_size}), got {max(num, 0)} blocks "
+                f"({max(num, 0) * self.block_size} tokens, {self._block_bytes()} bytes a block) in {budget}; "
+                f"{raise_hint}, or lower max_model_len (--max-model-len)"
+            )
+        return num
 
     def _num_cpu_blocks(self, config: EngineConfig) -> int:
         if config.preemption_mode == "recompute":

@@ -1,15 +1,19 @@
 """Build a model, its tokenizer and its spec from a checkpoint.
 
-Three sources: `None` (the embedded SmolLM2 GGUF), a Hugging Face folder (`config.json` +
-`*.safetensors`; pickle weights are refused), or a `.gguf` file (dequantised to the model dtype).
-transformers parses configs and tokenizers of both kinds; the weights are read here.
+Four sources: `None` (the embedded SmolLM2 GGUF), a Hugging Face folder (`config.json` +
+`*.safetensors`; pickle weights are refused), a `.gguf` file (dequantised to the model dtype),
+or a Hugging Face Hub id (`org/name`), fetched into (or, with `HF_HUB_OFFLINE=1`, found in)
+huggingface_hub's cache. transformers parses configs and tokenizers of both kinds; the weights
+are read here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +26,74 @@ from pagedattn.models import ARCHITECTURES, UnsupportedModelError, get_model_cls
 from pagedattn.models.default import default_model_path
 from pagedattn.models.gguf_file import read_gguf
 from pagedattn.models.layers import head_size_of, layer_sliding_windows
+
+HF_EXTRA_MODULES = ("transformers", "tokenizers", "safetensors", "gguf", "jinja2")
+"""The modules of the `[hf]` extra that loading a model needs."""
+# A Hub repository id: `name` or `org/name` of letters, digits, '-', '_', '.' (no '..').
+_HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$")
+# What a checkpoint folder needs from a Hub repository (never pickle weights).
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
+class MissingExtraError(ImportError):
+    """An optional dependency is missing; the message names the `pip install` to run."""
+
+
+def require_hf_extra() -> None:
+    """Raise MissingExtraError naming `pip install 'pagedattn[hf]'` when a module of the extra is absent."""
+    missing = [m for m in HF_EXTRA_MODULES if not _importable(m)]
+    if missing:
+        raise MissingExtraError(
+            f"loading a model needs the [hf] extra (missing: {', '.join(missing)}); "
+            "install it with `pip install 'pagedattn[hf]'`"
+        )
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ValueError:  # imported already, without a spec: present
+        return True
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> Path:
+    """The local path of `model`: the embedded default for None, an existing path as is, and a
+    Hugging Face Hub id (`org/name`) as its snapshot in huggingface_hub's cache, downloaded
+    unless `HF_HUB_OFFLINE=1` (config, tokenizer and safetensors files only).
+
+    Raises FileNotFoundError naming what was tried when none of these applies.
+    """
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    text = str(model)
+    if text.endswith(".gguf") or not _HUB_ID.match(text) or ".." in text:
+        raise FileNotFoundError(
+            f"model path {text!r} does not exist; expected a folder with config.json and "
+            "*.safetensors, a .gguf file, a Hugging Face Hub id (org/name), or None for the embedded default model"
+        )
+    return _hub_snapshot(text)
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import constants, snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    except ModuleNotFoundError:
+        raise MissingExtraError(
+            f"{repo_id!r} is not a local path, and a Hugging Face Hub id needs huggingface_hub: "
+            "install it with `pip install 'pagedattn[hf]'`"
+        ) from None
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS))
+    except (LocalEntryNotFoundError, RepositoryNotFoundError, HfHubHTTPError, OSError, ValueError) as e:
+        where = " (HF_HUB_OFFLINE=1: only the cache is read)" if constants.HF_HUB_OFFLINE else ""
+        raise FileNotFoundError(
+            f"model {repo_id!r} is not a local path, and the Hugging Face Hub id was not found in the cache "
+            f"{constants.HF_HUB_CACHE!r} nor downloaded{where}: {type(e).__name__}: {str(e).splitlines()[0]}"
+        ) from e
 
 _DTYPES = {
     "float32": torch.float32,
@@ -84,26 +156,25 @@ def load_model(
     device: str | torch.device = "cpu",
     attention_backend: str = "auto",
     kv_cache_dtype: str = "auto",
+    max_model_len: int | None = None,
 ) -> LoadedModel:
     """Load a checkpoint onto `device` in `dtype`, its attention running on `attention_backend`.
 
     model: None (the embedded SmolLM2-135M-Instruct GGUF), a folder with `config.json` and
-        `*.safetensors`, or a `.gguf` file.
+        `*.safetensors`, a `.gguf` file, or a Hugging Face Hub id (see `resolve_model_path`).
+    max_model_len: caps the spec's context (None: the model's own; larger is refused).
     dtype: a torch dtype or its name; "auto" is float32 on the CPU and otherwise the config's
         half-precision dtype (bfloat16 when the config names none or float32).
     device: a torch device; "auto" is CUDA when available, else the CPU.
     Raises FileNotFoundError for a missing path, UnsupportedModelError (a ValueError) naming the
-    supported architectures, ValueError for pickle-only or mismatching weights.
+    supported architectures, ValueError for pickle-only or mismatching weights,
+    MissingExtraError without the `[hf]` extra.
     """
+    require_hf_extra()
     from transformers import AutoConfig, AutoTokenizer
 
     device = _resolve_device(device)
-    path = default_model_path() if model is None else Path(model).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(
-            f"model path {str(path)!r} does not exist; expected a folder with config.json and "
-            "*.safetensors, a .gguf file, or None for the embedded default model"
-        )
+    path = resolve_model_path(model)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"expected a Hugging Face config.json in {str(path)!r}")
@@ -115,7 +186,7 @@ def load_model(
         extra_eos = _generation_eos(path)
     elif path.suffix == ".gguf":
         config, architecture, weights = read_gguf(path)
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        tokenizer = _gguf_tokenizer(path)
         extra_eos = ()
     else:
         raise ValueError(
@@ -139,7 +210,47 @@ def load_model(
     spec_fields = getattr(cls, "spec_fields", None)  # families whose config names differ (encoder-decoder)
     if spec_fields is not None:
         spec = dataclasses.replace(spec, **spec_fields(config))
+    if max_model_len is not None:
+        if max_model_len > spec.max_model_len:
+            raise ValueError(
+                f"expected max_model_len <= the model's context of {spec.max_model_len} tokens, got {max_model_len}"
+            )
+        spec = dataclasses.replace(spec, max_model_len=max_model_len)
     return LoadedModel(net, tokenizer, spec)
+
+
+def _gguf_tokenizer(path: Path):
+    """The tokenizer of a GGUF file. transformers builds it by parsing the file's metadata again
+    (seconds: the token lists), so it is built once per file and kept as `tokenizer.json` under
+    `tokenizer_cache_dir()`, keyed by the file's path, size, mtime and transformers' version."""
+    import hashlib
+
+    import transformers
+    from transformers import AutoTokenizer
+
+    stat = path.resolve().stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    folder = tokenizer_cache_dir() / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if (folder / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(folder)
+        except (OSError, ValueError):  # a damaged cache entry: build it again below
+            pass
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    try:
+        tokenizer.save_pretrained(folder)
+    except OSError:  # a read-only cache: the next start-up parses again, nothing worse
+        pass
+    return tokenizer
+
+
+def tokenizer_cache_dir() -> Path:
+    """Where GGUF tokenizers are kept: `$PAGEDATTN_CACHE/gguf-tokenizers`, else under
+    `$XDG_CACHE_HOME/pagedattn` (default `~/.cache/pagedattn`)."""
+    root = os.environ.get("PAGEDATTN_CACHE")
+    if not root:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedattn"
+    return Path(root).expanduser() / "gguf-tokenizers"
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:
