@@ -1,4 +1,4 @@
-"""The command line: `pagedattn info`, `generate`, `chat`, `bench`.
+"""The command line: `pagedattn info`, `generate`, `chat`, `bench`, `serve`.
 
 Each command is a module here with `add_parser(subparsers)` (its arguments) and `run(args) -> int`
 (the exit status); `main` parses and dispatches. `python -m pagedattn` and the `pagedattn`
@@ -19,8 +19,9 @@ import sys
 from pagedattn.attention import BackendUnavailableError
 from pagedattn.cli import bench, chat, generate, info
 from pagedattn.cli.model_args import UsageError
+from pagedattn.serve import command as serve
 
-COMMANDS = (info, generate, chat, bench)
+COMMANDS = (info, generate, chat, bench, serve)
 
 USER_ERRORS = (UsageError, BackendUnavailableError, ValueError, LookupError, OSError, ImportError)
 """Exceptions that mean the user asked for something impossible: a one-line message, exit 2.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 
 from pagedattn.attention.registry import get_backend
 from pagedattn.engine.block_manager import BlockManager
@@ -18,6 +19,22 @@ from pagedattn.engine.scheduler import Scheduler
 from pagedattn.engine.sequence import SequenceGroup
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's queues and KV pool between two steps (what a server's /metrics reports)."""
+
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+    num_blocks: int
+    num_free_blocks: int  # evictable prefix-cache blocks count as free
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of the KV pool's blocks held by unfinished sequences."""
+        return 1 - self.num_free_blocks / self.num_blocks
 
 
 class LLMEngine:
@@ -109,8 +126,32 @@ class LLMEngine:
             self.scheduler.add(group)
         return group
 
+    def abort_request(self, request_id: str) -> bool:
+        """Drop the unfinished request `request_id` (its client went away): its sequences finish
+        with finish_reason "abort", their blocks are free when this returns, and no step reports
+        it again. Call it between steps. False when no unfinished request has that id."""
+        for group in self._rejected:
+            if group.request_id == request_id:
+                self._rejected.remove(group)
+                return True
+        group = self.scheduler.find(request_id)
+        if group is None:
+            return False
+        self.scheduler.cancel(group)
+        return True
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._rejected)
+
+    def stats(self) -> EngineStats:
+        scheduler = self.scheduler
+        return EngineStats(
+            num_waiting=len(scheduler.waiting),
+            num_running=len(scheduler.running),
+            num_swapped=len(scheduler.swapped),
+            num_blocks=self.block_manager.num_blocks,
+            num_free_blocks=self.block_manager.num_free_blocks,
+        )
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run and sample one step; outputs of every request that advanced or finished."""

@@ -147,11 +147,26 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
 
+    def find(self, request_id: str) -> SequenceGroup | None:
+        """The unfinished group of `request_id`, or None."""
+        for group in (*self.waiting, *self.running, *self.swapped):
+            if group.request_id == request_id:
+                return group
+        return None
+
     def abort(self, group: SequenceGroup, error: str) -> None:
         """Finish `group` with finish_reason "error", wherever it is."""
-        for seq in group.live_seqs:
-            self.finish_seq(seq, "error")
         group.error = error
+        self._finish_group(group, "error")
+
+    def cancel(self, group: SequenceGroup) -> None:
+        """Finish `group` with finish_reason "abort" (its client went away), wherever it is;
+        its blocks are free when this returns."""
+        self._finish_group(group, "abort")
+
+    def _finish_group(self, group: SequenceGroup, reason: str) -> None:
+        for seq in group.live_seqs:
+            self.finish_seq(seq, reason)
         self.remove_finished()
         for queue in (self.waiting, self.swapped):
             if group in queue:
