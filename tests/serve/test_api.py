@@ -1,0 +1,175 @@
+"""Every route of `pagedattn serve` through the official `openai` client on loopback: greedy text
+equal to `LLM.generate`'s, streaming equal to the whole answer, refusals as 4xx in OpenAI's shape."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from pagedattn.engine.sampling_params import SamplingParams
+
+from .conftest import MODEL_NAME, run_server
+
+PROMPTS = ["Hello there", "The quick brown fox", "paged attention"]
+
+
+def greedy(reference, prompt, max_tokens: int) -> str:
+    [out] = reference.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens))
+    return out.outputs[0].text
+
+
+def test_models_health_metrics(server):
+    [card] = server.client().models.list().data
+    assert card.id == MODEL_NAME and card.max_model_len == 128
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    server.client().completions.create(model=MODEL_NAME, prompt="hi", max_tokens=3, temperature=0)
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("pagedattn_num_requests_waiting", "pagedattn_num_requests_running", "pagedattn_kv_cache_usage_ratio",
+                 "pagedattn_generation_tokens_per_second", "pagedattn_generation_tokens_total"):
+        assert f"\n{name}" in text, name
+    assert 'pagedattn_requests_finished_total{reason="length"}' in text
+
+
+def test_completion_is_llm_generate(server, reference):
+    client = server.client()
+    for prompt in PROMPTS:
+        out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0)
+        assert out.choices[0].text == greedy(reference, prompt, 12)
+        assert out.choices[0].finish_reason == "length"
+        assert out.usage.completion_tokens == 12
+    ids = reference.tokenizer.encode(PROMPTS[0])
+    out = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=5, temperature=0)
+    assert out.choices[0].text == greedy(reference, PROMPTS[0], 5)
+    server.assert_no_leak()
+
+
+def test_streaming_equals_whole(server, reference):
+    client = server.client()
+    for prompt in PROMPTS:
+        chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=16, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == greedy(reference, prompt, 16)
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].usage.completion_tokens == 16
+
+
+def test_stop_string_is_never_streamed(server, reference):
+    client = server.client()
+    full = greedy(reference, PROMPTS[1], 20)
+    stop = full[6:8]  # two characters the answer reaches
+    whole = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=20, temperature=0, stop=[stop])
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=20, temperature=0, stop=[stop], stream=True))
+    assert whole.choices[0].text == streamed == full[: full.index(stop)]
+    assert whole.choices[0].finish_reason == "stop"
+
+
+def test_chat_uses_the_template(server, reference):
+    client = server.client()
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    prompt = "[system] be brief\n[user] hi\nA:"
+    out = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0)
+    assert out.choices[0].message.content == greedy(reference, prompt, 10)
+    assert out.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == out.choices[0].message.content
+    # Without max_tokens the answer may fill the context, up to the server's --max-tokens (64).
+    out = client.chat.completions.create(model=MODEL_NAME, messages=messages, temperature=0, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == min(64, 128 - out.usage.prompt_tokens)
+
+
+def test_sampling_n_and_seed(server):
+    client = server.client()
+    kwargs = dict(model=MODEL_NAME, prompt="abc", max_tokens=8, temperature=1.0, seed=7, n=2)
+    first, again = client.completions.create(**kwargs), client.completions.create(**kwargs)
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert len(first.choices) == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, status, param",
+    [
+        (dict(model="other"), 404, "model"),
+        (dict(max_tokens=0), 400, "max_tokens"),
+        (dict(max_tokens=65), 400, "max_tokens"),  # over the server's --max-tokens
+        (dict(prompt="x" * 128), 400, "prompt"),  # the context is 128 tokens
+        (dict(prompt="x" * 100, max_tokens=40), 400, "max_tokens"),  # prompt + max_tokens over the context
+        (dict(prompt=[5, 999]), 400, "prompt"),  # token id out of the vocabulary
+        (dict(temperature=-1), 400, "temperature"),
+        (dict(top_p=0), 400, "top_p"),
+        (dict(extra_body={"logprobs": 3}), 400, "logprobs"),  # not supported: refused, not ignored
+        (dict(n=2, stream=True), 400, "n"),
+    ],
+)
+def test_invalid_requests_are_4xx(server, kwargs, status, param):
+    request = dict(model=MODEL_NAME, prompt="hi", max_tokens=4) | kwargs
+    with pytest.raises(openai.APIStatusError) as e:
+        server.client().completions.create(**request)
+    assert e.value.status_code == status
+    error = e.value.response.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+
+
+def test_malformed_bodies_are_400(server):
+    for body in (b"not json", b"{}", b'{"model": "tiny-llama", "messages": []}', b'{"model": 3, "prompt": "x"}'):
+        for route in ("completions", "chat/completions"):
+            r = httpx.post(f"{server.url}/v1/{route}", content=body, headers={"content-type": "application/json"})
+            assert r.status_code in (400, 422) and "message" in r.json()["error"], (route, body, r.text)
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_chat_without_template_is_refused(loaded, device, server):
+    template = server.engine.tokenizer.chat_template
+    server.engine.tokenizer.chat_template = None
+    try:
+        with pytest.raises(openai.BadRequestError, match="chat template"):
+            server.client().chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}])
+    finally:
+        server.engine.tokenizer.chat_template = template
+
+
+def test_api_key(loaded, device):
+    with run_server(loaded, device, api_key="sekret") as s:
+        for client in (s.client(), s.client(api_key="wrong")):
+            with pytest.raises(openai.AuthenticationError) as e:
+                client.models.list()
+            assert e.value.status_code == 401 and e.value.response.json()["error"]["code"] == "invalid_api_key"
+        assert s.client(api_key="sekret").completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2).choices
+        assert httpx.get(f"{s.url}/health").status_code == 200  # probes need no key
+
+
+def test_disconnect_aborts_and_frees_blocks(server):
+    """A client that leaves mid-stream, or before a whole answer, frees its blocks."""
+    client = server.client()
+    stream = client.completions.create(model=MODEL_NAME, prompt="long answer", max_tokens=60, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    stream.close()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", timeout=0.05,
+                   json=dict(model=MODEL_NAME, prompt="x" * 60, max_tokens=60, ignore_eos=True))
+    time.sleep(0.3)  # the non-streaming handler notices within DISCONNECT_POLL_S
+    server.assert_no_leak()
+    text = httpx.get(f"{server.url}/metrics").text
+    assert 'pagedattn_requests_finished_total{reason="abort"}' in text
+
+
+def test_too_many_concurrent_is_429(loaded, device):
+    with run_server(loaded, device, max_concurrent=1) as s:
+        client = s.client()
+        stream = client.completions.create(model=MODEL_NAME, prompt="a", max_tokens=60, stream=True,
+                                           extra_body={"ignore_eos": True})
+        next(iter(stream))
+        with pytest.raises(openai.RateLimitError) as e:
+            client.completions.create(model=MODEL_NAME, prompt="b", max_tokens=2)
+        assert e.value.response.json()["error"]["code"] == "too_many_requests"
+        stream.close()
+        s.wait_idle()
+        assert client.completions.create(model=MODEL_NAME, prompt="b", max_tokens=2).choices
+        s.assert_no_leak()
