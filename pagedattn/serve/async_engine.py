@@ -143,6 +143,7 @@ class AsyncEngine:
                 self._generated.pop(out.request_id, None)
                 reason = out.outputs[0].finish_reason if out.outputs else "error"
                 self.metrics.requests_finished.labels(reason=reason or "error").inc()
+                self.metrics.preemptions.inc(out.metrics.num_preemptions)
                 if out.metrics.latency is not None:
                     self.metrics.request_latency.observe(out.metrics.latency)
             else:

@@ -45,6 +45,9 @@ class ServerMetrics:
         self.requests_refused = Counter(
             "pagedattn_requests_refused", "Requests answered with an error status.", labelnames=["status"], registry=r
         )
+        self.preemptions = Counter(
+            "pagedattn_preemptions", "Preemptions (recompute or swap) of requests that finished.", registry=r
+        )
         self.request_latency = Histogram(
             "pagedattn_request_latency_seconds", "Arrival to last token, of requests that finished.", registry=r
         )
