@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -26,6 +27,8 @@ from pagedattn.engine.sampling_params import SamplingParams
 from pagedattn.intmath import cdiv
 from pagedattn.serve.async_engine import AsyncEngine, EngineDeadError
 from pagedattn.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.1
 """How often a non-streaming request checks that its client is still there."""
@@ -65,6 +68,11 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
         message = "; ".join(f"{'.'.join(str(x) for x in err['loc'][1:]) or 'body'}: {err['msg']}" for err in e.errors())
         return await _api_error(request, APIError(400, message, param=where))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        logger.exception("unexpected error answering %s", request.url.path)
+        return await _api_error(request, APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
 
     def check_key(request: Request) -> None:
         if api_key is None:
@@ -121,6 +129,9 @@ class _API:
     # ------------------------------------------------------------------ prompts
 
     def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError(400, f"expected token ids as the prompt, got text: {self.model_name} has no tokenizer",
+                           param="prompt")
         return list(self.tokenizer.encode(text))
 
     def check_token_ids(self, ids: list[int]) -> list[int]:
@@ -142,7 +153,7 @@ class _API:
 
     # ------------------------------------------------------------------ limits
 
-    def _sampling_params(self, body, prompt_len: int, max_tokens: int | None) -> SamplingParams:
+    def _sampling_params(self, body, prompt_len: int, max_tokens: int | None, chat: bool) -> SamplingParams:
         if body.model != self.model_name:
             raise APIError(404, f"expected model {self.model_name!r}, got {body.model!r}", param="model",
                            code="model_not_found")
@@ -151,7 +162,7 @@ class _API:
         max_prompt = min(self.limits.max_prompt_len or self.max_model_len, self.max_model_len - 1)
         if prompt_len > max_prompt:
             raise APIError(400, f"expected a prompt of at most {max_prompt} tokens, got {prompt_len}",
-                           param="messages" if max_tokens is None else "prompt", code="context_length_exceeded")
+                           param="messages" if chat else "prompt", code="context_length_exceeded")
         room = self.max_model_len - prompt_len
         token_cap = min(self.limits.max_tokens or room, room)
         if max_tokens is None:
@@ -177,7 +188,7 @@ class _API:
     # ------------------------------------------------------------------ serving
 
     async def serve(self, request: Request, body, prompt_ids: list[int], max_tokens: int | None, *, chat: bool):
-        params = self._sampling_params(body, len(prompt_ids), max_tokens)
+        params = self._sampling_params(body, len(prompt_ids), max_tokens, chat)
         if self.engine.dead is not None:
             raise APIError(503, f"expected a running engine, got: {self.engine.dead}", type="server_error")
         if self.in_flight >= self.limits.max_concurrent:

@@ -80,7 +80,8 @@ def test_chat_uses_the_template(server, reference):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == out.choices[0].message.content
     # Without max_tokens the answer may fill the context, up to the server's --max-tokens (64).
-    out = client.chat.completions.create(model=MODEL_NAME, messages=messages, temperature=0, extra_body={"ignore_eos": True})
+    out = client.chat.completions.create(model=MODEL_NAME, messages=messages, temperature=0,
+                                         extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == min(64, 128 - out.usage.prompt_tokens)
 
 
@@ -173,3 +174,19 @@ def test_too_many_concurrent_is_429(loaded, device):
         s.wait_idle()
         assert client.completions.create(model=MODEL_NAME, prompt="b", max_tokens=2).choices
         s.assert_no_leak()
+
+
+def test_failed_step_is_503_and_server_stays_up(loaded, device):
+    with run_server(loaded, device) as s:
+        def broken():
+            raise RuntimeError("device lost")
+
+        s.engine.step = broken  # the loop calls it in its worker thread
+        with pytest.raises(openai.InternalServerError) as e:
+            s.client().completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2)
+        assert e.value.status_code == 503 and "device lost" in e.value.response.json()["error"]["message"]
+        health = httpx.get(f"{s.url}/health")
+        assert health.status_code == 503 and "device lost" in health.json()["detail"]
+        with pytest.raises(openai.InternalServerError):
+            s.client().completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2)
+        assert httpx.get(f"{s.url}/metrics").status_code == 200

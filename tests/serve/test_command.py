@@ -27,6 +27,7 @@ STARTUP_TIMEOUT_S = 60.0
         (["--max-concurrent", "0"], "expected --max-concurrent >= 1, got 0"),
         (["--model", "/nope"], "does not exist"),
         (["--model", ".", "--dtype", "float8"], "expected dtype in"),
+        (["--model", ".", "--backend", "bogus"], "backend 'bogus' cannot run"),
     ],
 )
 def test_user_errors_exit_2(argv, message, capsys):
