@@ -145,8 +145,24 @@ def test_api_key(loaded, device):
         assert httpx.get(f"{s.url}/health").status_code == 200  # probes need no key
 
 
-def test_disconnect_aborts_and_frees_blocks(server):
+def _metric(server, name: str) -> float:
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def test_disconnect_aborts_and_frees_blocks(server, monkeypatch):
     """A client that leaves mid-stream, or before a whole answer, frees its blocks."""
+    step = server.engine.step
+
+    def slow_step():  # 60 tokens take over a second: both clients surely leave before the end
+        time.sleep(0.02)
+        return step()
+
+    monkeypatch.setattr(server.engine, "step", slow_step)
+    aborted = 'pagedattn_requests_finished_total{reason="abort"}'
+    before = _metric(server, aborted)
     client = server.client()
     stream = client.completions.create(model=MODEL_NAME, prompt="long answer", max_tokens=60, temperature=0,
                                        stream=True, extra_body={"ignore_eos": True})
@@ -157,8 +173,7 @@ def test_disconnect_aborts_and_frees_blocks(server):
                    json=dict(model=MODEL_NAME, prompt="x" * 60, max_tokens=60, ignore_eos=True))
     time.sleep(0.3)  # the non-streaming handler notices within DISCONNECT_POLL_S
     server.assert_no_leak()
-    text = httpx.get(f"{server.url}/metrics").text
-    assert 'pagedattn_requests_finished_total{reason="abort"}' in text
+    assert _metric(server, aborted) == before + 2
 
 
 def test_too_many_concurrent_is_429(loaded, device):
