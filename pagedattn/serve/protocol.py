@@ -1,15 +1,16 @@
 """The OpenAI API's request bodies (pydantic, checked on arrival) and its error shape.
 
-Fields the engine cannot honour (logprobs, penalties, logit bias, tools, ...) are not declared,
-and unknown fields are refused: a request is never answered as if an option had been applied.
-`top_k` and `ignore_eos` are extensions, as in vLLM.
+Options the engine cannot honour are refused, so a request is never answered as if one had been
+applied: unknown fields (tools, logit_bias, ...) always, and the common ones clients send by
+default (penalties, logprobs, echo) unless they have their neutral value. `top_k` and
+`ignore_eos` are extensions, as in vLLM.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class APIError(Exception):
@@ -47,11 +48,36 @@ class _SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None  # an end-user id for the caller's own logs; no effect here
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float) -> float:
+        if value != 0:
+            raise ValueError(f"expected 0 (penalties are not supported), got {value}")
+        return value
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] = Field(min_length=1)
     max_tokens: int = Field(16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: int | None) -> int | None:
+        if value is not None:
+            raise ValueError(f"expected null (logprobs are not supported), got {value}")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("expected false (echo is not supported), got true")
+        return value
 
 
 class TextPart(BaseModel):
@@ -74,6 +100,14 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)  # None: what the context leaves after the prompt
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+    logprobs: bool = False
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("expected false (logprobs are not supported), got true")
+        return value
 
     def token_limit(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None:

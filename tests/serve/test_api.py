@@ -85,6 +85,15 @@ def test_chat_uses_the_template(server, reference):
     assert out.usage.completion_tokens == min(64, 128 - out.usage.prompt_tokens)
 
 
+def test_neutral_defaults_are_accepted(server):
+    out = server.client().completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2, presence_penalty=0,
+                                             frequency_penalty=0.0, logprobs=None, echo=False, user="u1")
+    assert out.usage.completion_tokens == 2
+    out = server.client().chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                                  max_completion_tokens=2, logprobs=False, presence_penalty=0)
+    assert out.usage.completion_tokens == 2
+
+
 def test_sampling_n_and_seed(server):
     client = server.client()
     kwargs = dict(model=MODEL_NAME, prompt="abc", max_tokens=8, temperature=1.0, seed=7, n=2)
@@ -104,7 +113,9 @@ def test_sampling_n_and_seed(server):
         (dict(prompt=[5, 999]), 400, "prompt"),  # token id out of the vocabulary
         (dict(temperature=-1), 400, "temperature"),
         (dict(top_p=0), 400, "top_p"),
-        (dict(extra_body={"logprobs": 3}), 400, "logprobs"),  # not supported: refused, not ignored
+        (dict(logprobs=3), 400, "logprobs"),  # not supported: refused, not ignored
+        (dict(presence_penalty=0.5), 400, "presence_penalty"),
+        (dict(extra_body={"logit_bias": {"5": 1}}), 400, "logit_bias"),
         (dict(n=2, stream=True), 400, "n"),
     ],
 )
