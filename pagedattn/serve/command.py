@@ -1,82 +1,83 @@
-"""`pagedattn serve`: arguments, checked before the model loads, then uvicorn over `build_app`."""
+"""`pagedattn serve`: arguments, checked before the model loads, then uvicorn over `build_app`.
+
+The model and engine flags are `pagedattn.cli.model_args`'s, shared with `generate` and `chat`;
+user errors raise `UsageError` (or `MissingExtraError`), which `pagedattn.cli.main` prints as
+one line with exit status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import sys
 
+from pagedattn.cli.model_args import UsageError, add_model_arguments, engine_config
+
 SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client")
+"""The modules of the `[serve]` extra."""
 
 
 def add_parser(sub) -> None:
     """Register `serve` on `sub`, the `add_subparsers()` object of the `pagedattn` parser."""
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
-    p.add_argument("--model", default=None,
-                   help="a Hugging Face folder or a .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--served-model-name", default=None, help="the name clients send as 'model' (default: from --model)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("PAGEDATTN_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDATTN_API_KEY, else none)")
-    p.add_argument("--max-concurrent", type=int, default=64, help="requests in flight; more are answered 429")
-    p.add_argument("--max-prompt-len", type=int, default=None, help="longest prompt in tokens (default: the context)")
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help="largest max_tokens a request may ask (default: the context)")
-    p.add_argument("--backend", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per engine step")
-    p.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="KV pool size in blocks (default: sized from memory)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_model_arguments(p)
+    group = p.add_argument_group("server")
+    group.add_argument("--served-model-name", default=None, help="the 'model' clients send (default: from --model)")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDATTN_API_KEY, else none)")
+    group.add_argument("--max-concurrent", type=int, default=64, help="requests in flight; more are answered 429")
+    group.add_argument("--max-prompt-len", type=int, default=None, help="longest prompt in tokens (default: the context)")
+    group.add_argument("--max-tokens", type=int, default=None,
+                       help="largest max_tokens a request may ask (default: the context)")
+    group.add_argument("--max-num-seqs", type=int, default=64, help="sequences per engine step")
+    group.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(run=run)
 
 
-def _check(args: argparse.Namespace) -> str | None:
-    """The first user error in `args`, or None."""
-    missing = [m for m in SERVE_MODULES if importlib.util.find_spec(m) is None]
+def _check(args: argparse.Namespace) -> None:
+    """Raise UsageError for the first impossible server flag (the model's are `engine_config`'s)."""
+    from pagedattn.models.loader import MissingExtraError
+
+    missing = [m for m in SERVE_MODULES if m not in sys.modules and importlib.util.find_spec(m) is None]
     if missing:
-        return f"serve needs {', '.join(missing)}: pip install 'pagedattn[serve]'"
+        raise MissingExtraError(
+            f"serve needs the [serve] extra (missing: {', '.join(missing)}); "
+            "install it with `pip install 'pagedattn[serve]'`"
+        )
     if not 0 <= args.port <= 65535:
-        return f"expected --port in [0, 65535], got {args.port}"
-    for name in ("max_concurrent", "max_prompt_len", "max_tokens", "max_num_seqs", "num_kv_blocks"):
+        raise UsageError(f"expected --port in [0, 65535], got {args.port}")
+    for name in ("max_concurrent", "max_prompt_len", "max_tokens", "max_num_seqs"):
         value = getattr(args, name)
         if value is not None and value < 1:
-            return f"expected --{name.replace('_', '-')} >= 1, got {value}"
-    if args.model is not None and not os.path.exists(args.model):
-        return f"expected --model to be a folder or a .gguf file, got {args.model!r} which does not exist"
-    return None
+            raise UsageError(f"expected --{name.replace('_', '-')} >= 1, got {value}")
 
 
 def run(args: argparse.Namespace) -> int:
-    error = _check(args)
-    if error is not None:
-        print(f"pagedattn serve: error: {error}", file=sys.stderr)
-        return 2
+    _check(args)
+    config = engine_config(args)
+    try:
+        config = dataclasses.replace(config, max_num_seqs=args.max_num_seqs)
+    except ValueError as e:
+        raise UsageError(str(e).replace("max_num_seqs", "--max-num-seqs")) from None
     import uvicorn
 
-    from pagedattn.attention.registry import BackendUnavailableError
-    from pagedattn.engine.config import EngineConfig
     from pagedattn.engine.llm_engine import LLMEngine
     from pagedattn.serve.app import ServeLimits, build_app
     from pagedattn.serve.async_engine import AsyncEngine
     from pagedattn.serve.metrics import ServerMetrics
 
-    try:
-        config = EngineConfig(model=args.model, backend=args.backend, device=args.device, dtype=args.dtype,
-                              max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks)
-        engine = LLMEngine(config)
-    except (ValueError, BackendUnavailableError) as e:  # a bad value the engine names
-        print(f"pagedattn serve: error: {e}", file=sys.stderr)
-        return 2
+    engine = LLMEngine(config)
     name = args.served_model_name or (
         os.path.basename(os.path.normpath(args.model)) if args.model else "SmolLM2-135M-Instruct"
     )
     limits = ServeLimits(
         max_concurrent=args.max_concurrent, max_prompt_len=args.max_prompt_len, max_tokens=args.max_tokens
     )
-    app = build_app(AsyncEngine(engine, ServerMetrics(name)), name, api_key=args.api_key, limits=limits)
+    api_key = args.api_key if args.api_key is not None else os.environ.get("PAGEDATTN_API_KEY")
+    app = build_app(AsyncEngine(engine, ServerMetrics(name)), name, api_key=api_key, limits=limits)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
