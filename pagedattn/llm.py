@@ -82,23 +82,7 @@ class LLM:
             max_model_len=max_model_len,
             seed=seed,
         )
-        self.engine = LLMEngine(self.config, self._load() if max_model_len is not None else None)
-
-    def _load(self):
-        """The model with its context capped at `max_model_len` (LLMEngine loads it uncapped)."""
-        from pagedattn.attention import get_backend
-        from pagedattn.models.loader import load_model
-
-        device = self.config.resolved_device()
-        backend = "torch" if self.config.backend == "auto" and device.type == "cpu" else self.config.backend
-        return load_model(
-            self.config.model,
-            dtype=self.config.dtype,
-            device=device,
-            attention_backend=get_backend(backend).get_name(),
-            kv_cache_dtype=self.config.kv_cache_dtype,
-            max_model_len=self.config.max_model_len,
-        )
+        self.engine = LLMEngine(self.config)
 
     @property
     def tokenizer(self):

@@ -59,6 +59,7 @@ class LLMEngine:
                 device=device,
                 attention_backend=backend.get_name(),
                 kv_cache_dtype=config.kv_cache_dtype,
+                max_model_len=config.max_model_len,
             )
         self.tokenizer = loaded.tokenizer
         self.spec = loaded.spec

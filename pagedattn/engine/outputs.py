@@ -11,7 +11,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     """"stop" (EOS or a stop string), "length" (max_tokens or the model's context), "error",
-    or None while running."""
+    "abort" (`LLMEngine.abort_request`, e.g. a server client that went away), or None while running."""
     cumulative_logprob: float
     """Sum of the model's log-probabilities (unscaled by temperature) of `token_ids`."""
 
