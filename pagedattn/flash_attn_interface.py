@@ -67,27 +67,6 @@ from pagedattn.dtypes import FLOAT_DTYPES, FP8_DTYPES
 
 __all__ = ["flash_attn_varlen_func", "flash_attn_with_kvcache"]
 
-# The split-KV scratch: up to this many splits per (device, heads, head size). The kernel only
-# splits while sequences x KV heads leave the GPU short of programs (< 2 per SM), so decode-like
-# steps of up to 2 x SMs tokens are the ones that can use it; the floor lets a forced
-# `num_splits` work on small batches anywhere (and under the interpreter, which reports 1 SM).
-_MAX_SPLITS = 16
-_MIN_SCRATCH_TOKENS = 16
-_workspaces: dict[tuple, object] = {}
-
-
-def _workspace(device: torch.device, num_heads: int, head_size: int):
-    """The split-KV scratch shared by every call of this shape on `device`, allocated once."""
-    from pagedattn.kernels import SplitKVWorkspace, num_sms
-
-    key = (device, num_heads, head_size)
-    if key not in _workspaces:
-        tokens = max(2 * num_sms(device), _MIN_SCRATCH_TOKENS)
-        _workspaces[key] = SplitKVWorkspace.allocate(tokens, num_heads, head_size, _MAX_SPLITS,
-                                                      device)
-    return _workspaces[key]
-
-
 # ----------------------------------------------------------------------------- checks
 
 
@@ -174,9 +153,9 @@ def _descale(descale, name: str, cache_dtype: torch.dtype, device):
 def _attend(query, k, v, out, lse, *, query_start_loc, seq_lens, block_tables, kv_start_loc,
             max_query_len: int, max_seq_len: int, num_splits, **options) -> None:
     """One `paged_attention` launch over [T, Hq, D] `query` into `out` (and `lse` [T, Hq])."""
-    from pagedattn.kernels import paged_attention
+    from pagedattn.kernels import paged_attention, shared_workspace
 
-    workspace = _workspace(query.device, query.shape[1], query.shape[2])
+    workspace = shared_workspace(query.device, query.shape[1], k.shape[-2], query.shape[2])
     if num_splits is not None and num_splits > 1:
         fits = workspace.fits(query.shape[0], query.shape[1], query.shape[2])
         num_splits = min(num_splits, workspace.max_splits) if fits else 1
@@ -386,8 +365,7 @@ def flash_attn_with_kvcache(
             kv_start_loc = torch.cat([start, start[-1:]])  # [B+1] int32, the last unused
         _attend(q.reshape(num_seqs * seqlen_q, num_heads, head_size),
                 k_arg, v_arg, _rows(out, "out"), lse_rows,
-                query_start_loc=torch.arange(0, num_seqs * seqlen_q + 1, seqlen_q,
-                                             dtype=torch.int32, device=device),
+                query_start_loc=_query_starts(num_seqs, seqlen_q, device),
                 seq_lens=seq_lens, block_tables=block_table, kv_start_loc=kv_start_loc,
                 max_query_len=seqlen_q, max_seq_len=max_keys,
                 num_splits=num_splits or None, **options)
@@ -395,6 +373,18 @@ def flash_attn_with_kvcache(
         return out
     lse = lse_rows.view(num_seqs, seqlen_q, num_heads).transpose(1, 2).contiguous()
     return out, lse  # [B, Hq, Sq]
+
+
+_starts: dict[tuple, torch.Tensor] = {}
+
+
+def _query_starts(num_seqs: int, seqlen_q: int, device) -> torch.Tensor:
+    """int32 [B+1] `0, Sq, 2*Sq, ...`: made once per (B, Sq, device), not per call (a decode
+    layer calls this every step)."""
+    key = (num_seqs, seqlen_q, device)
+    if key not in _starts:
+        _starts[key] = torch.arange(0, num_seqs * seqlen_q + 1, seqlen_q, dtype=torch.int32, device=device)
+    return _starts[key]
 
 
 def _append(k, v, k_cache, v_cache, cache_seqlens, block_table, cache_rows, options) -> None:

@@ -30,6 +30,36 @@ TINY_CONFIG = dict(
     eos_token_id=257,
 )
 
+# A minimal chat template: turns in brackets, then "A:" opens the answer (enough to tell that
+# the template was applied).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}A:{% endif %}"
+)
+
+
+def save_tiny_chat_llama(folder, *, clear_cut: bool = False) -> str:
+    """Save a random 2-layer Llama (context 128) with the byte tokenizer and `CHAT_TEMPLATE` in
+    `folder`. `clear_cut`: untied, scaled weights, so greedy choices do not hinge on rounding."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**TINY_CONFIG, tie_word_embeddings=False) if clear_cut else LlamaConfig(**TINY_CONFIG)
+    model = LlamaForCausalLM(config).eval()
+    if clear_cut:
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                noise = torch.randn(p.shape, generator=gen)
+                p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.2 * noise)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
 # A tiny BART: 2 encoder and 2 decoder layers, d_model 32, 4 heads of 8, byte vocabulary.
 TINY_BART_CONFIG = dict(
     vocab_size=VOCAB,

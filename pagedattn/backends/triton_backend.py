@@ -21,11 +21,6 @@ from pagedattn.attention.builder import MetadataBuilder
 from pagedattn.attention.impl import AttendCall, AttentionImpl
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.state import AttentionState
-from pagedattn.intmath import cdiv
-
-# Split-KV pays only while (sequences x KV heads) leaves the GPU short of programs; the
-# kernel's policy stops splitting at 2 programs per SM, which bounds the tokens the scratch holds.
-MAX_SPLITS = 16
 
 
 def unavailable_reasons() -> list[str]:
@@ -101,7 +96,7 @@ class TritonImpl(AttentionImpl):
         store_kv(k, v, k_cache, v_cache, slots, ks, vs)
 
     def _attend(self, q, out, call: AttendCall, kv_cache, scales) -> None:
-        from pagedattn.kernels import paged_attention
+        from pagedattn.kernels import paged_attention, shared_workspace
 
         paged_attention(
             q, call.k, call.v, out,
@@ -109,20 +104,7 @@ class TritonImpl(AttentionImpl):
             max_query_len=call.max_query_len, max_seq_len=call.max_kv_len, scale=self.scale, causal=call.causal,
             sliding_window=self.sliding_window, alibi_slopes=self.alibi_slopes_on(q.device),
             soft_cap=self.logits_soft_cap, k_scale=scales.k if scales else 1.0, v_scale=scales.v if scales else 1.0,
-            workspace=_workspace(q.device, self.num_heads, self.head_size, self.num_kv_heads),
+            workspace=shared_workspace(q.device, self.num_heads, self.num_kv_heads, self.head_size),
             kv_start_loc=call.kv_start_loc,
         )
 
-
-_workspaces: dict[tuple, object] = {}
-
-
-def _workspace(device: torch.device, num_heads: int, head_size: int, num_kv_heads: int):
-    """The split-KV scratch shared by every layer of this shape on `device`, allocated once."""
-    from pagedattn.kernels import SplitKVWorkspace, num_sms
-
-    key = (device, num_heads, head_size, num_kv_heads)
-    if key not in _workspaces:
-        max_tokens = cdiv(2 * num_sms(device), num_kv_heads)
-        _workspaces[key] = SplitKVWorkspace.allocate(max_tokens, num_heads, head_size, MAX_SPLITS, device)
-    return _workspaces[key]

@@ -8,7 +8,7 @@ from .advance_step import advance_step
 from .copy_blocks import copy_blocks
 from .merge_attn_states import merge_attn_states
 from .paged_attention import paged_attention
-from .split_kv import SplitKVWorkspace, reduce_splits
+from .split_kv import SplitKVWorkspace, reduce_splits, shared_workspace
 from .store_kv import store_kv
 
 __all__ = [
@@ -19,5 +19,6 @@ __all__ = [
     "num_sms",
     "paged_attention",
     "reduce_splits",
+    "shared_workspace",
     "store_kv",
 ]

@@ -22,7 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check, check_tensor, next_pow2
+from pagedattn.intmath import cdiv
+
+from ._common import check, check_tensor, next_pow2, num_sms
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,26 @@ class SplitKVWorkspace:
     def fits(self, num_tokens: int, num_heads: int, head_size: int) -> bool:
         return (num_tokens <= self.max_num_tokens and self.partial_out.shape[2] == num_heads
                 and self.partial_out.shape[3] == head_size)
+
+
+# Split-KV pays only while (sequences x KV heads) leaves the GPU short of programs; the
+# kernel's policy stops splitting at 2 programs per SM, which bounds the tokens the scratch
+# holds. The floor lets a forced `num_splits` work on small batches anywhere (and under the
+# interpreter, which reports 1 SM).
+MAX_SPLITS = 16
+_MIN_TOKENS = 16
+_shared: dict[tuple, SplitKVWorkspace] = {}
+
+
+def shared_workspace(device: torch.device, num_heads: int, num_kv_heads: int,
+                     head_size: int) -> SplitKVWorkspace:
+    """The split-KV scratch every launch of this shape on `device` shares (launches run one at
+    a time on a stream), allocated once and never replaced, so captured graphs keep its address."""
+    key = (torch.device(device), num_heads, num_kv_heads, head_size)
+    if key not in _shared:
+        tokens = max(cdiv(2 * num_sms(key[0]), num_kv_heads), _MIN_TOKENS)
+        _shared[key] = SplitKVWorkspace.allocate(tokens, num_heads, head_size, MAX_SPLITS, key[0])
+    return _shared[key]
 
 
 @triton.jit

@@ -75,7 +75,7 @@ def test_stop_system_and_engine_flags(tiny_chat, capsys):
         assert cut["outputs"][0]["finish_reason"] == "stop"
     assert main([*args, "--system", "be brief"]) == 0
     [with_system] = _json_lines(capsys.readouterr().out)
-    assert with_system["prompt_tokens"] == full["prompt_tokens"] + len("system: be brief\n")
+    assert with_system["prompt_tokens"] == full["prompt_tokens"] + len("[system] be brief\n")
 
 
 def test_streams_one_answer(tiny_chat, capsys):

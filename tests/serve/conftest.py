@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from tiny_models import TINY_CONFIG, byte_tokenizer
+from tiny_models import save_tiny_chat_llama
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -17,31 +17,10 @@ pytest.importorskip("openai")
 
 MODEL_NAME = "tiny-llama"
 STARTUP_TIMEOUT_S = 20.0
-# Turns in brackets, then "A:" for the answer: enough to tell that the template was applied.
-CHAT_TEMPLATE = (
-    "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}A:{% endif %}"
-)
-
-
 @pytest.fixture(scope="session")
 def tiny_folder(tmp_path_factory) -> str:
     """A tiny random Llama (context 128) whose greedy choices are clear-cut (scaled weights)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**TINY_CONFIG, tie_word_embeddings=False)).eval()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.2 * noise)
-    folder = tmp_path_factory.mktemp("serve_tiny_llama")
-    model.save_pretrained(folder, safe_serialization=True)
-    tokenizer = byte_tokenizer()
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(folder)
-    return str(folder)
+    return save_tiny_chat_llama(tmp_path_factory.mktemp("serve_tiny_llama"), clear_cut=True)
 
 
 @pytest.fixture(scope="session")
