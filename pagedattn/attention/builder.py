@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from pagedattn.attention.impl import layers_of
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.types import PAD_SLOT_ID, ScheduledSeq, window_start_block
 from pagedattn.intmath import cdiv, cumsum
@@ -55,8 +56,9 @@ class MetadataBuilder:
         """The attention impls (`AttentionImpl`) of the model whose steps this builder builds.
 
         Optional: backends that plan per layer setting ahead of the step (FlashInfer) plan these
-        layers in `build`; the others ignore them.
+        layers in `build`; the others only check them.
         """
+        layers_of(self.backend, impls)
 
     def build(self, seqs: Sequence[ScheduledSeq], *, cuda_graph_pad_to: int | None = None) -> AttentionMetadata:
         self._validate(seqs, cuda_graph_pad_to)

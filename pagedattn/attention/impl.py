@@ -347,6 +347,17 @@ class AttentionImpl:
         return output.view(t, self.num_heads * self.head_size)
 
 
+def layers_of(backend, impls) -> list[AttentionImpl]:
+    """`impls` as a list, each checked to be an `AttentionImpl` of `backend` (any backend when
+    None): what `set_layers` of a builder or state accepts."""
+    out = list(impls)
+    for i, impl in enumerate(out):
+        if not isinstance(impl, AttentionImpl) or (backend is not None and impl.backend is not backend):
+            name = "an AttentionImpl" if backend is None else f"an impl of the {backend.get_name()!r} backend"
+            raise TypeError(f"set_layers: expected {name} at index {i}, got {type(impl).__name__}")
+    return out
+
+
 def _lengths(start_loc: torch.Tensor) -> torch.Tensor:
     return start_loc[1:] - start_loc[:-1]
 

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import torch
 
+from pagedattn.attention.impl import layers_of
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.types import PAD_SLOT_ID
 
@@ -28,7 +29,9 @@ class AttentionState:
 
     def set_layers(self, impls) -> None:
         """The attention impls (`AttentionImpl`) of the model that graphs capture. Optional:
-        backends that plan per layer setting (FlashInfer) plan these for capture and replay."""
+        backends that plan per layer setting (FlashInfer) plan these for capture and replay;
+        the others only check them."""
+        layers_of(self.backend, impls)
 
     def __init__(self, max_batch_size: int, max_blocks_per_seq: int, block_size: int, device: torch.device | str):
         if max_batch_size < 1 or max_blocks_per_seq < 1 or block_size < 1:

@@ -35,13 +35,12 @@ import importlib.util
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from pagedattn.attention.backend import AttentionBackend, Capabilities
 from pagedattn.attention.builder import MetadataBuilder
-from pagedattn.attention.impl import AttendCall, AttentionImpl, Source
+from pagedattn.attention.impl import AttendCall, AttentionImpl, Source, layers_of
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.state import AttentionState
 from pagedattn.attention.types import AttentionType
@@ -136,7 +135,7 @@ class PlannedLayers:
         self.met: set[LayerSpec] = set()
 
     def set_layers(self, impls: Iterable[AttentionImpl]) -> None:
-        self.impls = [i for i in impls if isinstance(i, FlashInferImpl)]
+        self.impls = layers_of(FlashInferBackend, impls)
 
     def specs(self) -> set[LayerSpec]:
         """Distinct specs of the layers whose query dtype is known, and those met since."""
@@ -176,9 +175,6 @@ class FlashInferMetadata(AttentionMetadata):
         view = super()._slice(prefill)
         _attach(view)
         return view
-
-    def _part_fields(self) -> dict[str, Any]:
-        return {}  # a view's pages and plans are attached by `_slice`
 
     def advance_step(self, input_tokens, input_positions, sampled_token_ids, block_size, num_seqs, num_queries) -> None:
         """The common advance (tokens, positions, lengths, slots), then this batch's pages on

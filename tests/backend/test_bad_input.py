@@ -211,3 +211,18 @@ def test_cross_attention_decode_needs_cross_tables(backend, device, model_dtype)
     sc = make_scenario(backend, Shape("d", ((8, 1),)), device=device, dtype=model_dtype, seed=81)
     with pytest.raises(ERRORS):
         sc.impl().forward(sc.query.flatten(1), None, None, sc.kv_cache, sc.build())
+
+
+def test_set_layers_refuses_what_is_not_this_backends_impl(sc):
+    """`builder.set_layers` / `state.set_layers` take the model's impls of this backend only."""
+    impl = sc.impl()
+    builder = sc.backend.get_builder_cls()(sc.block_size, sc.device)
+    state = sc.backend.get_state_cls()(4, 8, sc.block_size, sc.device)
+    for target in (builder, state):
+        target.set_layers([impl])  # the right kind: accepted
+        with pytest.raises(TypeError, match="index 1"):
+            target.set_layers([impl, "not an impl"])
+    other = pagedattn.get_backend("torch").get_impl_cls()(2, 16, 1.0)
+    if sc.backend.get_name() != "torch":
+        with pytest.raises(TypeError, match=sc.backend.get_name()):
+            builder.set_layers([other])
