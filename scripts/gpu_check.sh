@@ -38,10 +38,37 @@ python -m pagedattn info > "$LOGS/info.log" 2>&1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$LOGS/info.log"
 for s in $suites; do
   case $s in
-    torch|triton|flash_attn|flashinfer)
+    torch|triton|flash_attn|flashinfer|xformers)
       run "$s" "${LIMIT:-240}" python -m pytest tests/backend tests/gpu $([ "$s" = flashinfer ] && echo tests/backend_flashinfer) \
+        $([ "$s" = xformers ] && echo tests/backend_xformers) \
         --backend "$s" --device cuda -q -p no:cacheprovider -n "${WORKERS:-4}" --tb=short -rfEs ;;
-    kernels) run kernels 150 python -m pytest tests/kernels/test_kernels_gpu.py -q -p no:cacheprovider ;;
+    ours)  # every backend on our kernels (and torch), one run: the workers share Triton's compile cache
+      run ours "${LIMIT:-330}" python -m pytest tests/backend tests/gpu tests/backend_xformers \
+        --backend torch,triton,flash_attn,xformers --device cuda -q -p no:cacheprovider -n "${WORKERS:-6}" \
+        --tb=short -rfEs ;;
+    kernels) run kernels "${KLIMIT:-150}" python -m pytest tests/kernels/test_kernels_gpu.py -q -p no:cacheprovider ;;
+    kernels-all) run kernels-all "${KLIMIT:-240}" python -m pytest tests/kernels --device cuda -q -p no:cacheprovider \
+        -n "${WORKERS:-4}" --tb=short -rfEs ;;
+    xformers-details) XFORMERS_MORE_DETAILS=1 run xformers-details 60 python -c "import xformers.ops.fmha as f; \
+        print({op.NAME: op.is_available() for op in (f.cutlass.FwOp, f.triton_splitk.FwOp, f.flash.FwOp)})" ;;
+    fi-bg)  # the build in the background (a new session outlives this call on a warm machine)
+      setsid nohup python scripts/fi_jit.py build --record fi_jit_record.tsv --seconds "${FI_BG_SECONDS:-1500}" --jobs "${FI_JOBS:-12}" \
+        > "$LOGS/fi-build.log" 2>&1 < /dev/null &
+      echo "fi-bg started pid $!" | tee -a "$summary" ;;
+    fi-wait)  # until the background build ends, at most FI_WAIT seconds
+      end=$((SECONDS + ${FI_WAIT:-300}))
+      while pgrep -f "fi_jit.py build" > /dev/null && [ $SECONDS -lt $end ]; do sleep 5; done
+      echo "fi-wait: $(pgrep -f 'fi_jit.py build' > /dev/null && echo still building || echo done) after $SECONDS s;" \
+        "$(tail -1 "$LOGS/fi-build.log")" | tee -a "$summary" ;;
+    fa4)  # FA4 carried in parts (.fa4a in one call, .fa4b in the next: see README), then the probe
+      mkdir -p /tmp/fa4parts && cp .fa4a/* .fa4b/* /tmp/fa4parts/ 2>/dev/null
+      if [ -f /tmp/fa4parts/ir.xz.part-aa ] && [ -f /tmp/fa4parts/ir.xz.part-ab ]; then
+        FA4=/tmp/fa4site; mkdir -p $FA4 && tar xJf /tmp/fa4parts/small.tar.xz -C $FA4
+        cat /tmp/fa4parts/ir.xz.part-* | xz -d > $FA4/nvidia_cutlass_dsl/dsl_packages/cutlass/_mlir/_mlir_libs/_cutlass_ir.cu13.cpython-312-x86_64-linux-gnu.so
+        xz -dc /tmp/fa4parts/rt.xz > $FA4/nvidia_cutlass_dsl/cu13/lib/libcute_dsl_runtime.so
+        PYTHONPATH="$FA4:$FA4/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH" run fa4 "${FA4_LIMIT:-240}" \
+          python scripts/fa4_probe.py --out "$LOGS/fa4.json"
+      else echo "fa4: parts missing: $(ls /tmp/fa4parts)" | tee -a "$summary"; fi ;;
     bench) run bench 200 python -m pagedattn bench kernels --out "$LOGS/bench.md" ;;
     torch-fp16|torch-bf16|triton-fp16|triton-bf16)
       run "$s" "${LIMIT:-240}" python -m pytest tests/backend tests/gpu --backend "${s%-*}" --dtype "${s#*-}" \

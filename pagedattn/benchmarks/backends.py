@@ -34,7 +34,7 @@ from pagedattn.intmath import cdiv
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
-DEFAULT_BACKENDS = ["triton", "flashinfer", "torch"]
+DEFAULT_BACKENDS = ["triton", "flash_attn", "xformers", "flashinfer", "torch"]
 TORCH_MAX_KEYS = 100_000  # the reference gathers every key to float32: skip it above this
 BUILD_REPEATS = 20
 
