@@ -51,23 +51,59 @@ def unavailable_reasons() -> list[str]:
     return triton_backend.unavailable_reasons()  # our kernels run every part xFormers does not
 
 
-@functools.cache
-def xformers_reasons(device_type: str) -> tuple[str, ...]:
-    """Why xFormers' operators cannot run on devices of `device_type` here (empty: some may).
+OPERATORS = ("cutlass", "triton_splitk")  # xformers.ops.fmha modules: over the step's K/V; over the paged cache
 
-    Imports xformers only for a CUDA device with xformers installed."""
+
+@functools.cache
+def operator_reasons(device_type: str) -> dict[str, str]:
+    """Why each xFormers operator we use (by its `xformers.ops.fmha` module name) cannot run on
+    devices of `device_type` here ("" when it runs). On CUDA, an operator that loads is also run once on a tiny case and checked against
+    a dense reference: an operator can load and still fail to compile under this Triton."""
     if importlib.util.find_spec("xformers") is None:
-        return ("xformers is not installed (pip install 'pagedattn[xformers]')",)
+        return dict.fromkeys(OPERATORS, "xformers is not installed (pip install 'pagedattn[xformers]')")
     if device_type != "cuda":
-        return (f"xFormers has no {device_type} kernels",)
+        return dict.fromkeys(OPERATORS, f"xFormers has no {device_type} kernels")
     try:
         from xformers.ops import fmha
     except Exception as e:  # a wheel built for another torch can fail in many ways
-        return (f"xformers.ops.fmha does not import: {type(e).__name__}: {e}",)
-    missing = [op.NAME for op in (fmha.cutlass.FwOp, fmha.triton_splitk.FwOp) if not op.is_available()]
-    if len(missing) == 2:
-        return (f"neither of xFormers' operators {missing} loads (XFORMERS_MORE_DETAILS=1 says why)",)
-    return ()
+        return dict.fromkeys(OPERATORS, f"xformers.ops.fmha does not import: {type(e).__name__}: {e}")
+    reasons = {}
+    for name in OPERATORS:
+        op = getattr(fmha, name).FwOp
+        reasons[name] = _smoke_test(op) if op.is_available() else (
+            f"{op.NAME} does not load (XFORMERS_MORE_DETAILS=1 says why)")
+    return reasons
+
+
+def _smoke_test(op) -> str:
+    """Run `op` once on 1 query over 40 keys (the paged cache of one 64-slot block for the
+    split-K operator) and compare with a dense reference; "" when it agrees."""
+    from xformers.ops import fmha
+
+    from pagedattn.backends import xformers_bias
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(1, n, 1, 1, 128, device=dev, dtype=torch.bfloat16, generator=g) for n in (1, 64, 64))
+    if op is fmha.triton_splitk.FwOp:
+        bias = xformers_bias.paged([1], [40], torch.zeros(1, 1, dtype=torch.int32, device=dev), 64, causal=True)
+    else:
+        bias = xformers_bias.block_diagonal([1], [40], causal=True, sliding_window=None, device=dev)
+        k, v = k[:, :40], v[:, :40]
+    try:
+        out = fmha.memory_efficient_attention_forward(q, k, v, attn_bias=bias, scale=0.1, op=op)
+    except Exception as e:  # noqa: BLE001 - why it fails is the answer
+        return f"{op.NAME} loads but does not run here: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    keys, values = k[0, :40, 0, 0].float(), v[0, :40, 0, 0].float()
+    ref = ((q[0, 0, 0, 0].float() @ keys.T) * 0.1).softmax(-1) @ values
+    err = ((out.flatten().float() - ref).norm() / ref.norm()).item()
+    return "" if err < 2e-2 else f"{op.NAME} runs but disagrees with a dense reference (rel L2 {err:.3g})"
+
+
+def xformers_reasons(device_type: str) -> tuple[str, ...]:
+    """Why none of xFormers' operators can run on devices of `device_type` here (empty: some can)."""
+    reasons = operator_reasons(device_type)
+    return () if not all(reasons.values()) else tuple(dict.fromkeys(reasons.values()))
 
 
 class XFormersBackend(AttentionBackend):
@@ -83,8 +119,11 @@ class XFormersBackend(AttentionBackend):
         why = xformers_reasons(device)
         if why:
             return f"pagedattn.kernels (our Triton kernels) for every part on {device}: {'; '.join(why)}"
-        return ("xFormers memory_efficient_attention (cutlassF: prefills over the step's K/V; triton_splitKF: "
-                "the paged cache) for the parts its operators take, pagedattn.kernels for the rest (untested)")
+        runs = [name for name, reason in operator_reasons(device).items() if not reason]
+        not_run = "; ".join(reason for reason in operator_reasons(device).values() if reason)
+        return (f"xFormers memory_efficient_attention ({', '.join(runs)}: cutlassF over the step's K/V, "
+                f"triton_splitKF over the paged cache, block sizes a multiple of 64) for the parts it takes, "
+                f"pagedattn.kernels for the rest" + (f" ({not_run})" if not_run else ""))
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
@@ -197,7 +236,7 @@ class XFormersImpl(triton_backend.TritonImpl):
         if paged:
             if scales is not None or self.sliding_window is not None or self.alibi_slopes is not None:
                 return _XPlan(None, why_not="FP8 cache, sliding window or ALiBi over the paged cache")
-            op = fmha.triton_splitk.FwOp
+            name = "triton_splitk"
             bias = xformers_bias.paged(q_lens, call.kv_lens_host, call.block_tables, md.block_size, causal=call.causal)
         elif self.alibi_slopes is not None:
             if not call.causal:
@@ -208,14 +247,16 @@ class XFormersImpl(triton_backend.TritonImpl):
                                                 sliding_window=self.sliding_window, dtype=q.dtype), q_lens):
                 per_seq.append((b, slice(start, start + n), slice(start, start + n)))
                 start += n
-            why = self._refusal(op, q[per_seq[0][1]], k[per_seq[0][2]], v[per_seq[0][2]], per_seq[0][0])
+            why = operator_reasons(q.device.type)["cutlass"] or self._refusal(
+                op, q[per_seq[0][1]], k[per_seq[0][2]], v[per_seq[0][2]], per_seq[0][0])
             return _XPlan(None, why_not=why) if why else _XPlan(op, per_seq=tuple(per_seq))
         else:
-            op = fmha.cutlass.FwOp
+            name = "cutlass"
             bias = xformers_bias.block_diagonal(q_lens, call.kv_lens_host, causal=call.causal,
                                                 sliding_window=self.sliding_window if call.causal else None,
                                                 device=q.device)
-        why = self._refusal(op, q, k, v, bias)
+        op = getattr(fmha, name).FwOp
+        why = operator_reasons(q.device.type)[name] or self._refusal(op, q, k, v, bias)
         return _XPlan(None, why_not=why) if why else _XPlan(op, bias)
 
     def _bmghk(self, x: torch.Tensor, heads: int) -> torch.Tensor:

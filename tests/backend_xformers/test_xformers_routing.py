@@ -24,7 +24,8 @@ FRESH = Shape("fresh_and_decodes", ((0, 9), (0, 20), (0, 1), (5, 1), (40, 1)), b
 @pytest.mark.parametrize("option", list(OPTIONS))
 @pytest.mark.parametrize("shape", [*shapes("mixed", "block_size_5"), FRESH], ids=str)
 def test_every_part_is_planned_and_refused_on_cpu(shape, option, monkeypatch):
-    monkeypatch.setattr(xformers_backend, "xformers_reasons", lambda device_type: ())
+    monkeypatch.setattr(xformers_backend, "operator_reasons",
+                        lambda device_type: dict.fromkeys(xformers_backend.OPERATORS, ""))
     sc = make_scenario(XFormersBackend, shape, dtype=torch.float32, head_size=16)
     opts = dict(OPTIONS[option])
     if opts.pop("alibi", False):
@@ -43,3 +44,32 @@ def test_every_part_is_planned_and_refused_on_cpu(shape, option, monkeypatch):
             assert "device=cpu" in plan.why_not, plan  # xFormers' operator's own refusal
         else:
             assert "over the paged cache" in plan.why_not, plan
+
+
+# ----------------------------------------------------------------------------- on CUDA
+
+# Block sizes xFormers' split-K operator takes (a multiple of its 64-key tile): decodes, a chunk
+# over a cached prefix, and fresh prompts (cutlassF where its extension loads).
+PAGED_64 = [Shape("decodes_block64", ((37, 1), (200, 1), (64, 1), (1, 1)), num_heads=8, num_kv_heads=2,
+                  block_size=64),
+            Shape("chunk_block128", ((130, 20), (0, 40), (300, 1)), num_heads=4, num_kv_heads=4, block_size=128)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", PAGED_64, ids=str)
+def test_operators_that_run_take_their_parts_on_cuda(shape, dtype, device):
+    if device.type != "cuda":
+        pytest.skip("xFormers' operators run on CUDA only; pass --device cuda")
+    reasons = xformers_backend.operator_reasons("cuda")
+    print(f"xFormers operators on this machine: {reasons}")
+    sc = make_scenario(XFormersBackend, shape, dtype=dtype, device=device, head_size=128)
+    impl = sc.impl()
+    md = sc.build()
+    out = sc.forward(impl, md)
+    sc.check(out)
+    plans = {part: p for part, m in (("prefill", md.prefill_metadata), ("decode", md.decode_metadata))
+             if m is not None for p in m.xformers_plans.values()}
+    if not reasons["triton_splitk"]:  # it runs here: the decode part (paged cache) must use it
+        assert plans["decode"].op is not None and plans["decode"].op.NAME == "triton_splitKF", plans
+    else:
+        assert plans["decode"].op is None and plans["decode"].why_not == reasons["triton_splitk"], plans
