@@ -21,8 +21,7 @@ mkdir -p "$OUT" "$LOGS"
 export FLASHINFER_WORKSPACE_BASE=${FI_CACHE:-/tmp/pagedattn-fi-cache}
 export PYTHONPATH="$PWD:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 suites=${*:-torch triton kernels bench}
-summary="$OUT/summary.txt"
-: > "$summary"
+summary="$OUT/summary.txt"  # appended to: several invocations in one call share it ($OUT starts empty)
 
 run() {  # name, time limit (s), command...
   local name=$1 limit=$2; shift 2
