@@ -17,7 +17,7 @@ from oracle import dense_attention, rel_l2
 from pagedattn.benchmarks.kernels import cases as C
 from pagedattn.benchmarks.kernels import main, parse_args
 from pagedattn.benchmarks.kernels.floors import keys_read, visible_pairs, work
-from pagedattn.benchmarks.kernels.report import ROW_FIELDS, make_row, markdown, write_all
+from pagedattn.benchmarks.kernels.report import ENV_FIELDS, ROW_FIELDS, make_row, markdown, write_all
 
 CEILINGS = dict(copy_gbs=3000.0, read_gbs=3200.0, matmul_tflops=800.0)
 
@@ -143,7 +143,8 @@ def test_rows_derive_rates_bound_and_percent_of_ceiling():
 
 def test_report_files_from_fake_rows(tmp_path):
     rows = _fake_rows()
-    report = dict(environment=dict(gpu="Fake GPU", torch="x", triton="y", flashinfer=None),
+    smi = [{"clocks.sm": "1980 MHz", "clocks.mem": "2619 MHz", "clocks.max.sm": "1980 MHz"}]
+    report = dict(environment=dict(gpu="Fake GPU", torch="x", triton="y", flashinfer=None, nvidia_smi=smi),
                   ceilings=CEILINGS, arguments=["--quick"], unavailable=["xformers: not here"],
                   providers=["raw", "triton"], rows=rows)
     paths = write_all(tmp_path / "out", report)
@@ -151,8 +152,10 @@ def test_report_files_from_fake_rows(tmp_path):
     assert loaded["rows"][1]["rel_l2"] == "nan" and loaded["ceilings"] == CEILINGS
     with paths["results.csv"].open() as f:
         reader = csv.DictReader(f)
-        assert tuple(reader.fieldnames) == ROW_FIELDS
-        assert [r["provider"] for r in reader] == ["raw", "triton", "flashinfer-raw", "sdpa-cudnn"]
+        assert tuple(reader.fieldnames) == ROW_FIELDS + ENV_FIELDS
+        read = list(reader)
+    assert [r["provider"] for r in read] == ["raw", "triton", "flashinfer-raw", "sdpa-cudnn"]
+    assert {(r["gpu"], r["sm_clock"], r["mem_clock"]) for r in read} == {("Fake GPU", "1980 MHz", "2619 MHz")}
     assert paths["roofline.png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = markdown(report)
     assert "| nan |" in md and "not applicable: absent" in md and "Not run: xformers" in md

@@ -11,7 +11,8 @@ what follows from the case's floors (floors.py) and the run's ceilings (ceilings
   or torch backend): a fast but wrong kernel shows here.
 A provider that cannot run a case gets a row with `skipped` saying why and no numbers.
 
-Files: results.json (environment, ceilings, arguments, rows), results.csv (rows), results.md
+Files: results.json (environment, ceilings, arguments, rows), results.csv (rows, each with the
+GPU, its clocks and the library versions), results.md
 (the table printed at the end) and roofline.png (intensity vs achieved TFLOP/s, the measured
 ceilings as the roof).
 """
@@ -34,6 +35,8 @@ ROW_FIELDS = (
     "pct_of_ceiling", "speed_vs_flashinfer", "rel_l2", "rel_l2_ref", "bytes", "flops", "intensity",
     "floor_us", "how", "note", "skipped",
 )
+# the environment, repeated on every CSV row so a CSV read alone still says where it ran
+ENV_FIELDS = ("gpu", "sm_clock", "mem_clock", "max_sm_clock", "torch", "triton", "flashinfer", "date")
 
 
 def floor_us(work: Work, ceilings: dict) -> float:
@@ -74,11 +77,20 @@ def write_json(path: Path, report: dict) -> None:
     path.write_text(json.dumps(_plain(report), indent=1, default=str) + "\n")
 
 
-def write_csv(path: Path, rows: list[dict]) -> None:
+def env_columns(env: dict) -> dict:
+    """ENV_FIELDS of `env` (environment.py; clocks from the first GPU nvidia-smi lists)."""
+    smi = (env.get("nvidia_smi") or [{}])[0]
+    return dict(gpu=env.get("gpu"), sm_clock=smi.get("clocks.sm"), mem_clock=smi.get("clocks.mem"),
+                max_sm_clock=smi.get("clocks.max.sm"), torch=env.get("torch"), triton=env.get("triton"),
+                flashinfer=env.get("flashinfer"), date=env.get("date"))
+
+
+def write_csv(path: Path, report: dict) -> None:
+    env = env_columns(report["environment"])
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=ROW_FIELDS, extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=ROW_FIELDS + ENV_FIELDS, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows(dict(r, **env) for r in report["rows"])
 
 
 def _fmt(x, spec: str) -> str:
@@ -141,7 +153,7 @@ def write_all(out_dir: Path, report: dict) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {name: out_dir / name for name in ("results.json", "results.csv", "results.md", "roofline.png")}
     write_json(paths["results.json"], report)
-    write_csv(paths["results.csv"], report["rows"])
+    write_csv(paths["results.csv"], report)
     paths["results.md"].write_text(markdown(report))
     roofline(paths["roofline.png"], report)
     return paths

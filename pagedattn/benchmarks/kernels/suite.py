@@ -27,14 +27,15 @@ from .environment import environment
 from .floors import work
 from .peers import SDPA_KINDS, prepare_flashinfer, prepare_sdpa
 from .raw import prepare_raw
-from .report import floor_us, make_row, markdown, write_all, write_csv, write_json
+from .report import make_row, markdown, write_all, write_csv, write_json
 from .step import NotApplicable, Step
 from .timing import Flusher, rotation_sets, time_events, time_graph, time_steps
 from .workload import make_workload
 
 RAW, FLASHINFER_RAW = "raw", "flashinfer-raw"
-# the reference of rel_l2, best first: FlashInfer called directly, else the backends
-REFERENCES = (FLASHINFER_RAW, "flashinfer", "torch")
+# the reference of rel_l2, best first: FlashInfer called directly, else its backend, the torch
+# backend (the contract's definition), dense SDPA
+REFERENCES = (FLASHINFER_RAW, "flashinfer", "torch", "sdpa-flash", "sdpa-cudnn")
 DEFAULT_L2_BYTES = 50 << 20
 
 
@@ -73,18 +74,18 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first}"[:200]
 
 
-def _time(step: Step, case: Case, floor: float, flusher: Flusher) -> tuple[float, str]:
+def _time(step: Step, case: Case, flusher: Flusher) -> tuple[float, str]:
     if case.timing == "events" or step.eager_only:
-        return time_events(step.calls, floor, flusher)
+        return time_events(step.calls, flusher)
     timer = time_graph if case.timing == "graph" else time_steps
     try:
-        return timer(step.calls, floor)
+        return timer(step.calls)
     except Exception as exc:  # noqa: BLE001 - a step that cannot be captured is timed eagerly, said so
-        us, how = time_events(step.calls, floor, flusher)
+        us, how = time_events(step.calls, flusher)
         return us, f"{how}; graph capture failed ({_reason(exc)})"
 
 
-def run_provider(p: Provider, w, floor: float, flusher: Flusher) -> tuple[dict, torch.Tensor | None]:
+def run_provider(p: Provider, w, flusher: Flusher) -> tuple[dict, torch.Tensor | None]:
     """(row fields, set 0's output) of provider `p` on workload `w`."""
     graph = w.case.timing != "events"
     try:
@@ -103,7 +104,7 @@ def run_provider(p: Provider, w, floor: float, flusher: Flusher) -> tuple[dict, 
         step.calls[0]()
         torch.cuda.synchronize()
         out = step.output().clone()
-        us, how = _time(step, w.case, floor, flusher)
+        us, how = _time(step, w.case, flusher)
         return dict(time_us=us, how=how, store=step.store, note=step.note), out
     except Exception as exc:  # noqa: BLE001
         return dict(skipped=f"failed: {_reason(exc)}", store=step.store), None
@@ -122,14 +123,13 @@ def run_case(case: Case, plist: list[Provider], ceilings: dict, flusher: Flusher
              bar: tqdm) -> list[dict]:
     """Rows of every provider on `case`, with speed and error against the reference."""
     wk = work(case)
-    floor = floor_us(wk, ceilings)
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or DEFAULT_L2_BYTES
     sets = rotation_sets(wk.bytes, l2) if case.timing != "events" else 1
     w = make_workload(case, device, sets)
     fields, outs = {}, {}
     for p in plist:
         bar.set_postfix_str(f"{case.name[:48]} / {p.name}")
-        fields[p.name], out = run_provider(p, w, floor, flusher)
+        fields[p.name], out = run_provider(p, w, flusher)
         if out is not None:
             outs[p.name] = out
         bar.update()
@@ -158,7 +158,7 @@ def run_suite(cases: list[Case], selection: list[str] | None, out_dir: Path, arg
     report = dict(environment=environment(device), arguments=argv, unavailable=unavailable,
                   providers=[p.name for p in plist], rows=[])
     out_dir.mkdir(parents=True, exist_ok=True)
-    with tqdm(total=1 + len(cases) * len(plist), unit="row", dynamic_ncols=True) as bar:
+    with tqdm(total=1 + len(cases) * len(plist), unit="row", dynamic_ncols=True, mininterval=2.0) as bar:
         bar.set_postfix_str("ceilings")
         report["ceilings"] = ceilings = measure_ceilings(device)
         bar.update()
@@ -166,7 +166,7 @@ def run_suite(cases: list[Case], selection: list[str] | None, out_dir: Path, arg
         for case in cases:
             report["rows"] += run_case(case, plist, ceilings, flusher, device, bar)
             write_json(out_dir / "results.json", report)
-            write_csv(out_dir / "results.csv", report["rows"])
+            write_csv(out_dir / "results.csv", report)
     write_all(out_dir, report)
     print(markdown(report))
     return report

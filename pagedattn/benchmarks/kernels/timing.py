@@ -25,6 +25,7 @@ import torch
 from pagedattn.intmath import cdiv
 
 MAX_SETS = 32  # rotating input sets at most (tiny steps: 32 x 4 MB > 2 x a 50 MB L2)
+MAX_CALLS = 128  # calls per graph at most
 GRAPH_TARGET_US = 1000.0  # device time one replay of a "graph" case aims for
 REP_TARGET_S = 0.25  # device time each provider's timing loop aims for
 MIN_REPS, MAX_REPS = 10, 200
@@ -36,17 +37,15 @@ def rotation_sets(set_bytes: float, l2_bytes: int) -> int:
     return max(1, min(MAX_SETS, cdiv(int(2 * l2_bytes), max(1, int(set_bytes)))))
 
 
-def plan_counts(floor_us: float, sets: int) -> tuple[int, int]:
-    """(calls per graph, a multiple of `sets`; replays) for a call of about `floor_us`."""
-    per_call = max(floor_us, 5.0)  # nothing launches in under ~5 us
-    calls = min(max(sets, cdiv(int(GRAPH_TARGET_US), int(per_call))), 4 * MAX_SETS)
-    calls = cdiv(calls, sets) * sets
-    reps = min(MAX_REPS, max(MIN_REPS, int(REP_TARGET_S * 1e6 / (calls * per_call))))
-    return calls, reps
+def rounds_for(per_call_us: float, sets: int) -> int:
+    """Passes over the `sets` input sets in one graph: about GRAPH_TARGET_US of device time."""
+    want = cdiv(int(GRAPH_TARGET_US), max(1, int(per_call_us * sets)))
+    return max(1, min(want, MAX_CALLS // sets))
 
 
-def event_reps(floor_us: float) -> int:
-    return min(MAX_REPS, max(MIN_REPS, int(REP_TARGET_S * 1e6 / max(floor_us, 20.0))))
+def reps_for(per_rep_us: float) -> int:
+    """Timed repetitions: about REP_TARGET_S of device time, within [MIN_REPS, MAX_REPS]."""
+    return min(MAX_REPS, max(MIN_REPS, int(REP_TARGET_S * 1e6 / max(per_rep_us, 1.0))))
 
 
 def median_event_ms(fn: Callable[[], object], reps: int, warmup: int = 3,
@@ -113,33 +112,46 @@ def capture(calls: Sequence[Callable[[], object]]) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def time_graph(calls: Sequence[Callable[[], object]], floor_us: float) -> tuple[float, str]:
-    """("graph" mode) microseconds per call, and how it was timed."""
-    n, reps = plan_counts(floor_us, len(calls))
-    graph = capture([calls[i % len(calls)] for i in range(n)])
+def time_graph(calls: Sequence[Callable[[], object]]) -> tuple[float, str]:
+    """("graph" mode) microseconds per call, and how it was timed. A first graph of one pass
+    over the sets measures the call; the timed graph repeats the pass to ~GRAPH_TARGET_US."""
+    sets = len(calls)
+    graph = capture(calls)
+    per_call = median_event_ms(graph.replay, 3, warmup=1) * 1e3 / sets
+    rounds = rounds_for(per_call, sets)
+    if rounds > 1:
+        graph = capture(list(calls) * rounds)
+    n = sets * rounds
+    reps = reps_for(per_call * n)
     ms = median_event_ms(graph.replay, reps, warmup=2)
-    return ms * 1e3 / n, f"graph of {n} calls over {len(calls)} sets, median of {reps} replays"
+    return ms * 1e3 / n, f"graph of {n} calls over {sets} sets, median of {reps} replays"
 
 
-def time_steps(calls: Sequence[Callable[[], object]], floor_us: float) -> tuple[float, str]:
-    """("step" mode) microseconds per one-call graph replayed back to back."""
+def time_steps(calls: Sequence[Callable[[], object]]) -> tuple[float, str]:
+    """("step" mode) microseconds per one-call graph, graphs replayed back to back."""
     graphs = [capture([call]) for call in calls]
-    k, reps = plan_counts(floor_us, len(graphs))
+    order = list(graphs)
 
     def replay_all():
-        for i in range(k):
-            graphs[i % len(graphs)].replay()
+        for g in order:
+            g.replay()
 
+    per_step = median_event_ms(replay_all, 3, warmup=1) * 1e3 / len(graphs)
+    order = graphs * rounds_for(per_step, len(graphs))
+    reps = reps_for(per_step * len(order))
     ms = median_event_ms(replay_all, reps, warmup=2)
-    return ms * 1e3 / k, f"{k} one-step graphs back to back over {len(calls)} sets, median of {reps}"
+    return ms * 1e3 / len(order), f"{len(order)} one-step graphs back to back over {len(graphs)} sets, median of {reps}"
 
 
-def time_events(calls: Sequence[Callable[[], object]], floor_us: float,
-                flusher: Flusher) -> tuple[float, str]:
+def time_events(calls: Sequence[Callable[[], object]], flusher: Flusher) -> tuple[float, str]:
     """("events" mode) microseconds per eager call, L2 flushed before each."""
     host = host_us(calls[0])
     flusher.fit(host)
-    reps = event_reps(floor_us)
     turn = iter(range(1 << 62))
-    ms = median_event_ms(lambda: calls[next(turn) % len(calls)](), reps, before=flusher)
+
+    def call():
+        calls[next(turn) % len(calls)]()
+
+    reps = reps_for(median_event_ms(call, 3, warmup=0, before=flusher) * 1e3)
+    ms = median_event_ms(call, reps, before=flusher)
     return ms * 1e3, f"eager, {flusher.bytes >> 20} MiB memset before each, median of {reps} (host {host:.0f} us/call)"
