@@ -235,3 +235,22 @@ def test_dense_copies_hold_the_paged_keys():
         keys = w.sets[0].cache[0][torch.tensor(table)].flatten(0, 1)[:11]
         assert torch.equal(k[b].transpose(0, 1), keys)
     assert pagedattn.ScheduledSeq(11, 1, w.tables[0]) == w.scheduled()[0]
+
+
+def test_graph_metadata_route_gives_the_eager_answer():
+    """Decode cases run the contract on capture metadata holding the real step (API.md section
+    5); called eagerly here, it must give what metadata from `builder.build` gives."""
+    from pagedattn.benchmarks.kernels.contract import prepare_contract
+    from pagedattn.benchmarks.kernels.workload import make_workload
+
+    case = C.Case("decode", "g", ((9, 1), (30, 1), (4, 1)), num_heads=4, num_kv_heads=2, head_size=16,
+                  block_size=4, timing="graph")
+    w = make_workload(case, torch.device("cpu"), num_sets=1)
+    outs = []
+    for graph in (False, True):
+        step = prepare_contract("torch", w, graph=graph)
+        assert not step.eager_only, step.note
+        w.sets[0].out.fill_(float("nan"))
+        step.calls[0]()
+        outs.append(step.output().clone())
+    assert torch.equal(outs[0], outs[1])

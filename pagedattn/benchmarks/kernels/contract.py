@@ -38,20 +38,13 @@ def prepare_contract(name: str, w: Workload, graph: bool) -> Step:
     builder.set_layers([impl])
     seqs = w.scheduled()
     keep: list = [impl, caches, builder]
+    md, note = None, ""
     if graph:
-        b, width = c.num_seqs, w.block_tables.shape[1]
-        state = backend.get_state_cls()(b, width, c.block_size, w.device)
-        state.set_layers([impl])
-        with state.graph_capture(b):
-            md = state.graph_capture_get_metadata_for_batch(b)
-            clone = state.graph_clone(b)
-            clone.begin_forward(md)
-            buffers = clone.get_graph_input_buffers(md)
-        real = builder.build(seqs, cuda_graph_pad_to=b)
-        clone.prepare_graph_input_buffers(buffers, real)
-        clone.begin_forward(real)
-        keep += [state, clone, buffers, real]
-    else:
+        try:
+            md = _graph_metadata(backend, impl, builder, w, keep)
+        except Exception as exc:  # noqa: BLE001 - time it eagerly rather than not at all
+            note = f"no graph metadata ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    if md is None:
         md = builder.build(seqs)
     keep.append(md)
     t = c.num_tokens
@@ -62,4 +55,23 @@ def prepare_contract(name: str, w: Workload, graph: bool) -> Step:
                      k_scale=w.k_scale, v_scale=w.v_scale, output=s.out.view(t, -1))
 
     return Step([lambda i=i: call(i) for i in range(len(w.sets))], lambda: w.sets[0].out,
-                store="impl.forward", keep=keep)
+                store="impl.forward", note=note, eager_only=bool(note), keep=keep)
+
+
+def _graph_metadata(backend, impl, builder, w: Workload, keep: list):
+    """Capture metadata of a decode step over a per-size clone of the backend's state, holding
+    the real step (copied in and planned); the state objects go to `keep`."""
+    c = w.case
+    b, width = c.num_seqs, w.block_tables.shape[1]
+    state = backend.get_state_cls()(b, width, c.block_size, w.device)
+    state.set_layers([impl])
+    with state.graph_capture(b):
+        md = state.graph_capture_get_metadata_for_batch(b)
+        clone = state.graph_clone(b)
+        clone.begin_forward(md)
+        buffers = clone.get_graph_input_buffers(md)
+    real = builder.build(w.scheduled(), cuda_graph_pad_to=b)
+    clone.prepare_graph_input_buffers(buffers, real)
+    clone.begin_forward(real)
+    keep += [state, clone, buffers, real]
+    return md

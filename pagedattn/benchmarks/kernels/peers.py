@@ -73,7 +73,9 @@ def _decode_wrapper(fi, w: Workload, rows: range, buffer, graph: bool, common: d
         wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(buffer, "NHD", use_tensor_cores=spec.use_tensor_cores)
     c = w.case
     wrapper.plan(indptr, indices, last, c.num_heads, c.num_kv_heads, c.head_size, c.block_size, **common)
-    return wrapper, ("tensor cores" if spec.use_tensor_cores else "CUDA cores")
+    # backend="auto" resolves at plan time (fa2, or cuDNN where its engines can run): say which
+    chosen = getattr(wrapper, "resolved_backend", None)
+    return wrapper, ("tensor cores" if spec.use_tensor_cores else "CUDA cores") + (f", {chosen}" if chosen else "")
 
 
 def prepare_flashinfer(w: Workload, graph: bool) -> Step:
@@ -108,7 +110,7 @@ def prepare_flashinfer(w: Workload, graph: bool) -> Step:
         wrapper.plan(qo_host[: p + 1], indptr, indices, last, c.num_heads, c.num_kv_heads, c.head_size,
                      c.block_size, causal=True, **common)
         parts.append((wrapper, 0, t_pre))
-        notes.append("paged prefill wrapper")
+        notes.append("paged prefill wrapper (backend auto)")
     if p < c.num_seqs:  # the float workspace is shared: runs are stream-ordered (each wrapper
         # keeps its plan in its own int workspace)
         wrapper, cores = _decode_wrapper(fi, w, range(p, c.num_seqs), buffer, graph, common)
