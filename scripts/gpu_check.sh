@@ -68,7 +68,7 @@ for s in $suites; do
         PYTHONPATH="$FA4:$FA4/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH" run fa4 "${FA4_LIMIT:-240}" \
           python scripts/fa4_probe.py --out "$LOGS/fa4.json"
       else echo "fa4: parts missing: $(ls /tmp/fa4parts)" | tee -a "$summary"; fi ;;
-    bench) run bench 200 python -m pagedattn bench kernels --out "$LOGS/bench.md" ;;
+    bench) run bench "${BLIMIT:-300}" python -m pagedattn bench kernels --quick --out "$LOGS/kernels" ;;
     torch-fp16|torch-bf16|triton-fp16|triton-bf16)
       run "$s" "${LIMIT:-240}" python -m pytest tests/backend tests/gpu --backend "${s%-*}" --dtype "${s#*-}" \
         --device cuda -q -p no:cacheprovider -n 4 ;;
