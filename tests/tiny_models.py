@@ -192,3 +192,20 @@ def save_tiny_whisper(folder) -> str:
     """`tiny_whisper` for tests that need only the folder (the command line)."""
     tiny_whisper(folder)
     return str(folder)
+
+
+def whisper_encoder_reference(model, features):
+    """transformers' Whisper encoder (`model`'s modules, float32) on log-mel features
+    [num_mel_bins, frames] of any length up to the window: transformers' own forward refuses
+    all but the full window. Returns its `BaseModelOutput`, last_hidden_state [1, positions, d_model]."""
+    import torch
+    import torch.nn.functional as F
+    from transformers.modeling_outputs import BaseModelOutput
+
+    encoder = model.model.encoder
+    with torch.no_grad():
+        h = F.gelu(encoder.conv2(F.gelu(encoder.conv1(features[None])))).permute(0, 2, 1)
+        h = h + encoder.embed_positions.weight[: h.shape[1]]
+        for layer in encoder.layers:
+            h = layer(h, None)
+        return BaseModelOutput(last_hidden_state=encoder.layer_norm(h))

@@ -143,7 +143,7 @@ class LogMelInput:
         except (TypeError, ValueError):
             raise ValueError(f"expected a waveform of numbers, got {type(waveform).__name__}") from None
         if wave.ndim != 1 or wave.size == 0:
-            raise ValueError(f"expected a mono waveform [samples] with samples, got shape {list(wave.shape)}")
+            raise ValueError(f"expected a non-empty mono waveform [samples], got shape {list(wave.shape)}")
         if wave.size > fe.n_samples:
             raise ValueError(
                 f"expected audio of at most {fe.n_samples / rate:g} s ({fe.n_samples} samples, one window), "
