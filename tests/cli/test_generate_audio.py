@@ -90,7 +90,8 @@ def test_audio_errors_are_one_line(tiny_whisper_folder, tiny_chat, tmp_path, cap
         ([*whisper, "--audio", _write_wav(tmp_path / "slow.wav", _tone(0.2, 440.0), rate=8000)],
          "expected --audio sampled at 16000 Hz (no resampling), got 8000 Hz in"),
         ([*whisper, "hello"], "expected --audio FILE.wav for the audio model"),
-        ([*base, "--model", tiny_chat, "--audio", good], "expected a model with an audio encoder (Whisper) for --audio"),
+        ([*base, "--model", tiny_chat, "--audio", good],
+         "expected a model with an audio encoder (Whisper) for --audio"),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv

@@ -275,11 +275,13 @@ def test_audio_for_a_text_encoder_fails_alone(tmp_path, device, backend_name):
     assert outputs[1].error is None and len(outputs[1].outputs[0].token_ids) == 4
 
 
-def test_llm_takes_audio(whisper, device):
+def test_llm_takes_audio(whisper, device, backend_name):
     import pagedattn
 
     folder, _ = whisper
-    llm = pagedattn.LLM(folder, device=str(device), num_kv_blocks=64, block_size=4)
+    llm = pagedattn.LLM(
+        folder, device=str(device), backend=backend_name, dtype="float32", num_kv_blocks=64, block_size=4
+    )
     params = pagedattn.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompt = {"encoder_prompt": {"audio": (_wave(0.7, 523.0), 16000)}, "decoder_prompt": "<|en|> w7"}
     [out] = llm.generate(prompt, params)

@@ -70,7 +70,8 @@ def _reference(model, features: torch.Tensor, dec: list[int]) -> torch.Tensor:
         dec = torch.tensor([dec])
         if features.shape[1] == WINDOW:
             return model(input_features=features[None], decoder_input_ids=dec).logits[0].float()
-        return model(encoder_outputs=whisper_encoder_reference(model, features), decoder_input_ids=dec).logits[0].float()
+        encoder = whisper_encoder_reference(model, features)
+        return model(encoder_outputs=encoder, decoder_input_ids=dec).logits[0].float()
 
 
 def test_encoder_length_is_the_convolutions_rule(checkpoint):
