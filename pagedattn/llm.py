@@ -99,7 +99,12 @@ class LLM:
 
         Encoder-decoder models (BART): a prompt is `{"encoder_prompt": ..., "decoder_prompt": ...}`
         (each text or token ids; the decoder prompt may be left out), or a plain prompt for the
-        encoder, the decoder starting from the model's `decoder_start_token_id`.
+        encoder, the decoder starting from the model's `decoder_start_token_id`. An audio
+        encoder's (Whisper's) encoder prompt is `{"input_features": [num_mel_bins, frames]}`
+        (a tensor or array, up to the model's window: 3000 frames, 30 s; not padded) or
+        `{"audio": (waveform float [samples], sampling_rate)}` (mono, at the feature
+        extractor's rate, 16 kHz; made into features padded to the window, as transformers
+        does); text or token ids are refused there.
 
         `sampling_params`: one for all prompts, or one per prompt. A prompt that cannot run
         (longer than the context, bigger than the KV pool) gets finish_reason "error" and

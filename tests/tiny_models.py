@@ -106,3 +106,106 @@ def tiny_bart(folder, **overrides):
     model.save_pretrained(folder, safe_serialization=True)
     byte_tokenizer().save_pretrained(folder)
     return model
+
+
+# A tiny Whisper: 2 encoder and 2 decoder layers, d_model 64, 4 heads of 16, 80 mel bins, 1 s
+# windows (100 frames: the encoder's 50 positions), a word-level vocabulary of 160 ids.
+WHISPER_SPECIAL_TOKENS = {
+    "<|endoftext|>": 150,
+    "<|startoftranscript|>": 151,
+    "<|en|>": 152,
+    "<|transcribe|>": 153,
+    "<|notimestamps|>": 154,
+    "<unk>": 155,
+}
+TINY_WHISPER_CONFIG = dict(
+    vocab_size=160,
+    d_model=64,
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=128,
+    decoder_ffn_dim=128,
+    num_mel_bins=80,
+    max_source_positions=50,
+    max_target_positions=64,
+    bos_token_id=150,
+    eos_token_id=150,
+    pad_token_id=150,
+    decoder_start_token_id=151,
+    suppress_tokens=None,  # Whisper's defaults name ids of the full vocabulary
+    begin_suppress_tokens=None,
+)
+
+
+def whisper_tokenizer():
+    """A word-level tokenizer: "w0".."w149" are ids 0..149, then `WHISPER_SPECIAL_TOKENS`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(150)} | WHISPER_SPECIAL_TOKENS
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    specials = [t for t in WHISPER_SPECIAL_TOKENS if t not in ("<|endoftext|>", "<unk>")]
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", unk_token="<unk>",
+        additional_special_tokens=specials,
+    )
+
+
+def tiny_whisper(folder, **overrides):
+    """Save a tiny random `WhisperForConditionalGeneration` (safetensors, word-level tokenizer,
+    a `WhisperFeatureExtractor` of 1 s windows) in `folder`; returns transformers' model on the
+    same weights (float32, eval) as the reference.
+
+    Weights are drawn so that greedy choices do not hinge on rounding and do not repeat the last
+    token (pre-norm blocks over embeddings tied to the output favour it): linear and
+    convolution weights of gain 4 over the fan-in, embeddings of std 0.3, layer norm scales
+    around 1, small random biases. The encoder keeps transformers' sinusoidal positions (a
+    checkpoint weight, loaded as such)."""
+    import torch
+    from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    model = WhisperForConditionalGeneration(WhisperConfig(**{**TINY_WHISPER_CONFIG, **overrides})).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            rand = torch.randn(p.shape, generator=gen)
+            if name == "model.encoder.embed_positions.weight":
+                continue
+            if "norm.weight" in name:
+                p.copy_(1.0 + 0.1 * rand)
+            elif "embed" in name:
+                p.copy_(0.3 * rand)
+            elif p.dim() >= 2:  # linear and convolution weights
+                p.copy_(4.0 * rand / p[0].numel() ** 0.5)
+            else:
+                p.copy_(0.1 * rand)
+    model.save_pretrained(folder, safe_serialization=True)
+    whisper_tokenizer().save_pretrained(folder)
+    WhisperFeatureExtractor(feature_size=model.config.num_mel_bins, chunk_length=1).save_pretrained(folder)
+    return model
+
+
+def save_tiny_whisper(folder) -> str:
+    """`tiny_whisper` for tests that need only the folder (the command line)."""
+    tiny_whisper(folder)
+    return str(folder)
+
+
+def whisper_encoder_reference(model, features):
+    """transformers' Whisper encoder (`model`'s modules, float32) on log-mel features
+    [num_mel_bins, frames] of any length up to the window: transformers' own forward refuses
+    all but the full window. Returns its `BaseModelOutput`, last_hidden_state [1, positions, d_model]."""
+    import torch
+    import torch.nn.functional as F
+    from transformers.modeling_outputs import BaseModelOutput
+
+    encoder = model.model.encoder
+    with torch.no_grad():
+        h = F.gelu(encoder.conv2(F.gelu(encoder.conv1(features[None])))).permute(0, 2, 1)
+        h = h + encoder.embed_positions.weight[: h.shape[1]]
+        for layer in encoder.layers:
+            h = layer(h, None)
+        return BaseModelOutput(last_hidden_state=encoder.layer_norm(h))

@@ -1,4 +1,9 @@
-"""`pagedattn generate`: answer prompts, streaming one answer or showing progress over many."""
+"""`pagedattn generate`: answer prompts, streaming one answer or showing progress over many.
+
+With an audio model (Whisper), `--audio FILE.wav` (repeatable) makes each file a request: its
+PCM samples, averaged to mono and refused unless sampled at the model's rate (no resampling),
+go through the model's feature extractor; a PROMPT, if given, is every file's decoder prompt.
+"""
 
 from __future__ import annotations
 
@@ -30,6 +35,11 @@ def add_parser(sub) -> None:
     gen.add_argument("--system", default=None, help="a system message (through the chat template)")
     gen.add_argument("--no-chat-template", action="store_true", help="send the prompts as they are")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout (JSON Lines)")
+    gen.add_argument(
+        "--audio", action="append", default=None, metavar="WAV",
+        help="a PCM WAV file for an audio model (Whisper), one request each (repeatable); "
+             "PROMPT, if given, is the decoder prompt",
+    )
     add_sampling_arguments(gen, max_tokens=64)
     add_model_arguments(gen)
     gen.set_defaults(run=run)
@@ -61,16 +71,16 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config(args)
     if args.system is not None and args.no_chat_template:
         raise UsageError("expected --system without --no-chat-template (the system message needs the template)")
-    questions = read_prompts(args.prompts)
+    if args.audio:
+        if args.system is not None or len(args.prompts) > 1:
+            raise UsageError("expected at most one PROMPT (the decoder prompt) and no --system with --audio")
+        audios = [read_wav(path) for path in args.audio]  # every file checked before the model loads
+        questions = list(args.audio)
+    else:
+        questions = read_prompts(args.prompts)
     llm = load_llm(config)
     engine = llm.engine
-    use_template = not args.no_chat_template and engine.spec.has_chat_template
-    if args.system is not None and not use_template:
-        model = args.model or "the default model"
-        raise UsageError(f"expected a model with a chat template for --system, got {model!r} without one")
-    system = [{"role": "system", "content": args.system}] if args.system is not None else []
-    prompts = [chat_prompt(llm.tokenizer, [*system, {"role": "user", "content": q}]) if use_template else q
-               for q in questions]
+    prompts = _audio_prompts(args, audios, llm) if args.audio else _text_prompts(args, questions, llm)
     start = time.perf_counter()
     if len(prompts) == 1 and params.n == 1 and not args.json:
         outputs = [stream(engine, prompts[0], params)]
@@ -91,6 +101,61 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagedattn generate: error: {name}: {o.error}", file=sys.stderr)
     print(f"[{tokens} tokens in {elapsed:.2f} s: {tokens / max(elapsed, 1e-9):.1f} tokens/s]", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _text_prompts(args: argparse.Namespace, questions: list[str], llm) -> list:
+    """The engine prompts of text questions: through the chat template when the model has one."""
+    model = args.model or "the default model"
+    if llm.engine.input_processor.audio is not None:
+        raise UsageError(f"expected --audio FILE.wav for the audio model {model!r}, got text prompts")
+    use_template = not args.no_chat_template and llm.engine.spec.has_chat_template
+    if args.system is not None and not use_template:
+        raise UsageError(f"expected a model with a chat template for --system, got {model!r} without one")
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    return [chat_prompt(llm.tokenizer, [*system, {"role": "user", "content": q}]) if use_template else q
+            for q in questions]
+
+
+def _audio_prompts(args: argparse.Namespace, audios: list, llm) -> list[dict]:
+    """The engine prompts of `--audio` files ((samples, rate) each), refused unless the model
+    takes audio at their sampling rate."""
+    model = args.model or "the default model"
+    audio_input = llm.engine.input_processor.audio  # the model's LogMelInput, None when it takes no audio
+    if audio_input is None:
+        raise UsageError(f"expected a model with an audio encoder (Whisper) for --audio, got {model!r}")
+    if audio_input.sampling_rate is None:
+        raise UsageError(
+            f"expected a preprocessor_config.json (the feature extractor) for --audio in {model!r}, found none"
+        )
+    for path, (_, rate) in zip(args.audio, audios):
+        if rate != audio_input.sampling_rate:
+            raise UsageError(
+                f"expected --audio sampled at {audio_input.sampling_rate} Hz (no resampling), got {rate} Hz in {path!r}"
+            )
+    decoder = {"decoder_prompt": args.prompts[0]} if args.prompts else {}
+    return [{"encoder_prompt": {"audio": audio}, **decoder} for audio in audios]
+
+
+def read_wav(path: str):
+    """(float32 samples in [-1, 1] [samples], sampling rate in Hz) of a PCM WAV file of 8, 16 or
+    32 bits, its channels averaged to mono; a UsageError says why a file cannot be read."""
+    import wave
+
+    import numpy as np
+
+    try:
+        with wave.open(path, "rb") as f:
+            width, channels, rate = f.getsampwidth(), f.getnchannels(), f.getframerate()
+            raw = f.readframes(f.getnframes())
+    except (OSError, EOFError, wave.Error) as e:
+        raise UsageError(f"expected --audio to name a PCM WAV file, got {path!r} ({e})") from None
+    if width == 1:  # 8-bit WAV samples are unsigned
+        samples = (np.frombuffer(raw, np.uint8).astype(np.float32) - 128) / 128
+    elif width in (2, 4):
+        samples = np.frombuffer(raw, f"<i{width}").astype(np.float32) / 2 ** (8 * width - 1)
+    else:
+        raise UsageError(f"expected 8-, 16- or 32-bit PCM samples in {path!r}, got {8 * width}-bit ones")
+    return samples.reshape(-1, channels).mean(axis=1), rate
 
 
 def _short(text: str, width: int = 40) -> str:

@@ -7,11 +7,15 @@ raised: it becomes a group finished with finish_reason "error", so the others go
 
 Encoder-decoder models take `{"encoder_prompt": p, "decoder_prompt": q}` (as vLLM does; the
 decoder prompt may be left out) or a plain prompt, which is the encoder prompt. Each part is a
-string or token ids. The decoder prompt starts with the model's `decoder_start_token_id`
-(prepended when it does not; a text decoder prompt is tokenized without special tokens, so no
-EOS ends it). Also refused per request: an encoder prompt longer than the model's maximum, an
-encoder-decoder model given no encoder prompt, a decoder-only model given one, and encoder plus
-decoder prompts over the step budget (encoder-decoder prefills are not chunked).
+string or token ids, except an audio encoder's prompt (Whisper's): `{"input_features":
+[num_mel_bins, frames]}` or `{"audio": (waveform, sampling_rate)}`, which the model's
+`LogMelInput` checks and turns into features; their length in encoder positions is the
+model's rule. The decoder prompt starts with the model's `decoder_start_token_id` (prepended
+when it does not; a text decoder prompt is tokenized without special tokens, so no EOS ends it).
+Also refused per request: an encoder prompt longer than the model's maximum, an encoder-decoder
+model given no encoder prompt, a decoder-only model given one, audio for a text encoder and
+text for an audio one, and encoder plus decoder prompts over the step budget (encoder-decoder
+prefills are not chunked).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 
 from pagedattn.engine.detokenizer import IncrementalDetokenizer
 from pagedattn.engine.sampling_params import SamplingParams
-from pagedattn.engine.sequence import Sequence, SequenceGroup, SeqStatus
+from pagedattn.engine.sequence import EncoderFeatures, Sequence, SequenceGroup, SeqStatus
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # completion k of a seeded request draws from seed + k * stride
 
@@ -45,12 +49,15 @@ class InputProcessor:
         max_encoder_len: int = 0,
         decoder_start_token_id: int | None = None,
         max_num_batched_tokens: int | None = None,
+        audio=None,
     ):
         """`max_encoder_len` > 0 makes the model encoder-decoder; its prompts then need
-        `decoder_start_token_id`, and `max_num_batched_tokens` bounds encoder + decoder prompt."""
+        `decoder_start_token_id`, and `max_num_batched_tokens` bounds encoder + decoder prompt.
+        `audio`: an audio encoder's `LogMelInput` (`LoadedModel.audio`), None for text encoders."""
         if max_encoder_len and decoder_start_token_id is None:
             raise ValueError("expected a decoder_start_token_id for an encoder-decoder model, got None")
         self.max_encoder_len = max_encoder_len
+        self.audio = audio
         self.decoder_start_token_id = decoder_start_token_id
         self.max_num_batched_tokens = max_num_batched_tokens
         self.tokenizer = tokenizer
@@ -66,27 +73,29 @@ class InputProcessor:
     ) -> SequenceGroup:
         """The request's group: WAITING, or FINISHED with `group.error` set when it cannot run."""
         encoder_prompt, decoder_prompt, error = self._split(prompt)
-        encoder_text, encoder_ids = None, None
+        encoder_text, encoder_ids, features = None, None, None
         if error is None and encoder_prompt is not None:
-            encoder_text, encoder_ids, error = self._tokenize(encoder_prompt)
-            if error is None:
-                error = self._check_encoder(encoder_ids)
+            if self.audio is None:
+                encoder_text, encoder_ids, error = self._encoder_tokens(encoder_prompt)
+            else:
+                features, error = self._encoder_features(encoder_prompt)
         text, token_ids = None, []
-        if error is None and encoder_ids is None:
+        if error is None and encoder_prompt is None:
             text, token_ids, error = self._tokenize(decoder_prompt)
         elif error is None:
             if decoder_prompt is not None:
                 text, token_ids, error = self._tokenize(decoder_prompt, add_special_tokens=False)
             if token_ids[:1] != [self.decoder_start_token_id]:
                 token_ids.insert(0, self.decoder_start_token_id)
-            error = error or self._check_step_budget(len(encoder_ids) + len(token_ids))
         if error is None:
             error = self._check(token_ids, params)
         if error is None and len(token_ids) + params.max_tokens > self.max_model_len:
             # The context bounds the completion: a request asks no more than it can get, so the
             # pool (which holds one request of the whole context) never runs out under it alone.
             params = dataclasses.replace(params, max_tokens=max(1, self.max_model_len - len(token_ids)))
-        seq = Sequence(next(self.seq_ids), token_ids, self.block_size, tuple(encoder_ids or ()))
+        seq = Sequence(next(self.seq_ids), token_ids, self.block_size, tuple(encoder_ids or ()), features)
+        if error is None and seq.encoder_len:
+            error = self._check_step_budget(seq.encoder_len + len(token_ids))
         group = SequenceGroup(
             request_id, text, token_ids, params, [seq], index,
             encoder_prompt=encoder_text, encoder_prompt_token_ids=encoder_ids,
@@ -149,6 +158,30 @@ class InputProcessor:
         if params.width > self.max_num_seqs:
             return f"expected n/best_of <= max_num_seqs ({self.max_num_seqs}), got {params.width}"
         return None
+
+    def _encoder_tokens(self, prompt) -> tuple[str | None, list[int], str | None]:
+        """(text or None, token ids, error) of a text encoder's prompt."""
+        if isinstance(prompt, dict):
+            return None, [], (
+                "expected a text or token-id encoder prompt for this model (its encoder takes no audio), "
+                f"got a dict (keys {sorted(prompt)})"
+            )
+        text, token_ids, error = self._tokenize(prompt)
+        return text, token_ids, error or self._check_encoder(token_ids)
+
+    def _encoder_features(self, prompt) -> tuple[EncoderFeatures | None, str | None]:
+        """(features, error) of an audio encoder's prompt."""
+        forms = "{'input_features': [num_mel_bins, frames]} or {'audio': (waveform, sampling_rate)}"
+        if not isinstance(prompt, dict):
+            got = "text" if isinstance(prompt, str) else f"{type(prompt).__name__} {prompt!r:.40}"
+            return None, f"expected an audio encoder prompt for this model, {forms}, got {got}"
+        if len(prompt) != 1 or not {"input_features", "audio"} >= set(prompt):
+            return None, f"expected an audio encoder prompt for this model, {forms}, got keys {sorted(prompt)}"
+        try:
+            values = self.audio.features(prompt)
+        except ValueError as e:
+            return None, str(e)
+        return EncoderFeatures(values, self.audio.num_positions(values.shape[1])), None
 
     def _check_encoder(self, token_ids: list[int]) -> str | None:
         if not token_ids:

@@ -97,6 +97,7 @@ class LLMEngine:
             max_encoder_len=self.spec.max_encoder_len,
             decoder_start_token_id=self.spec.decoder_start_token_id,
             max_num_batched_tokens=self.runner.max_num_batched_tokens,
+            audio=loaded.audio,
         )
         self.output_processor = OutputProcessor(
             self.scheduler,

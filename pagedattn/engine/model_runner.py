@@ -12,8 +12,9 @@ Encoder-decoder models (`spec.num_cross_layers > 0`) have a cross pool too: one 
 per cross-attention layer, with as many blocks as the decoder pool (a request's encoder
 prompt is bounded like its decoder tokens), in the same backend layout. The forward
 context's caches are the decoder layers' then the cross layers'. A step's encoder inputs are
-the encoder prompts of its prefills, in chunk order. Their decode steps run eagerly: the
-graph states' metadata carry no cross tables.
+the encoder prompts of its prefills, in chunk order: token ids, or an audio encoder's
+log-mel features (`loaded.audio` set), one tensor per prefill. Their decode steps run
+eagerly: the graph states' metadata carry no cross tables.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class ModelRunner:
         if device.type == "cpu":
             pack_linears_for_cpu(self.model)
         self.spec = loaded.spec
+        self.audio = loaded.audio  # an audio encoder's LogMelInput, or None
         self.backend = backend
         self.device = device
         self.block_size = config.block_size
@@ -170,8 +172,11 @@ class ModelRunner:
         tokens = self.max_num_batched_tokens
         while tokens > 0:
             n = min(tokens, self.spec.max_model_len)
-            # Encoder-decoder: the same tokens again through the encoder (its worst case too).
+            # Encoder-decoder: the same tokens again through the encoder (its worst case too);
+            # an audio request's encoder runs on a whole window, whatever its decoder's length.
             e = min(n, self.spec.max_encoder_len)
+            if self.audio is not None:
+                e = self.audio.num_positions(self.audio.max_frames)
             seqs.append(ScheduledSeq(n, n, [0] * cdiv(n, self.block_size), encoder_len=e))
             positions += range(n)
             encoder_positions += range(e)
@@ -182,6 +187,9 @@ class ModelRunner:
         if self.spec.num_cross_layers:
             encoder_pos = torch.tensor(encoder_positions, dtype=torch.int64, device=self.device)
             encoder = (torch.zeros_like(encoder_pos), encoder_pos)
+            if self.audio is not None:
+                window = (self.audio.num_mel_bins, self.audio.max_frames)
+                encoder = ([torch.zeros(window, device=self.device) for _ in seqs], encoder_pos)
         md = self.builder.build(seqs)
         empty = [torch.empty(0, dtype=self.cache_dtype, device=self.device)] * len(self.kv_caches)
         with forward_context(md, empty):
@@ -307,22 +315,29 @@ class ModelRunner:
         t = len(ids)
         return flat[:t], flat[t : 2 * t], flat[2 * t :], seqs
 
-    def _prepare_encoder(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Encoder input ids and positions int64 [num_encoder_tokens]: the encoder prompts of
-        the step's prefills, in chunk order (as `build` lays out the encoder tokens); None when
-        the step runs no encoder."""
+    def _prepare_encoder(self, chunks: list[ScheduledChunk]) -> tuple | None:
+        """The encoder prompts of the step's prefills, in chunk order (as `build` lays out the
+        encoder tokens): (input, positions int64 [num_encoder_tokens]), the input being token
+        ids int64 [num_encoder_tokens], or for an audio encoder each prefill's float32 features
+        [num_mel_bins, frames]; None when the step runs no encoder."""
         ids: list[int] = []
+        features: list[torch.Tensor] = []
         positions: list[int] = []
         for c in chunks:
             if c.num_encoder_tokens:
-                ids += c.seq.encoder_token_ids
                 positions += range(c.num_encoder_tokens)
-        if not ids:
+                if c.seq.encoder_features is not None:
+                    features.append(c.seq.encoder_features.values.to(self.device))
+                else:
+                    ids += c.seq.encoder_token_ids
+        if not positions:
             return None
         flat = torch.tensor(ids + positions, dtype=torch.int64).to(self.device)
+        if self.audio is not None:
+            return features, flat
         return flat[: len(ids)], flat[len(ids) :]
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, encoder: tuple[torch.Tensor, torch.Tensor] | None):
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, encoder: tuple | None):
         """The model on one step's inputs (inside a forward context): hidden [T, H]."""
         if self.spec.num_cross_layers:
             return self.model(ids, pos, *(encoder or (None, None)))
@@ -334,10 +349,10 @@ class ModelRunner:
         ids: torch.Tensor,
         pos: torch.Tensor,
         pad_to: int | None,
-        encoder: tuple[torch.Tensor, torch.Tensor] | None = None,
+        encoder: tuple | None = None,
     ) -> torch.Tensor:
         """hidden [T, H] (graph padding rows included when replayed); `encoder`: the step's
-        encoder ids and positions (`_prepare_encoder`)."""
+        encoder input and positions (`_prepare_encoder`)."""
         if pad_to is None:
             with forward_context(md, self.kv_caches):
                 return self._forward(ids, pos, encoder)

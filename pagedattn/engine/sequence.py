@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import hashlib
 import time
 from dataclasses import dataclass, field
 
@@ -19,6 +20,24 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"  # holds nothing
 
 
+class EncoderFeatures:
+    """An audio encoder's input for one request (Whisper's log-mel features), never changed.
+
+    values: float32 [num_mel_bins, frames] on the CPU, owned by the request.
+    num_positions: the encoder positions the model makes of them (the model's rule, asked by
+        the input processor): the request's encoder length.
+    key: a digest of the values' shape and bytes, the prefix cache's encoder key (equal
+        features may share decoder blocks; different ones never do).
+    """
+
+    def __init__(self, values: torch.Tensor, num_positions: int):
+        self.values = values
+        self.num_positions = num_positions
+        digest = hashlib.sha256(repr(tuple(values.shape)).encode())
+        digest.update(values.numpy().tobytes())
+        self.key = int.from_bytes(digest.digest()[:8], "little")
+
+
 class Sequence:
     """Token ids (prompt then output) and the KV-cache bookkeeping of one completion.
 
@@ -26,14 +45,20 @@ class Sequence:
     context_len of the next step). Tokens past it are computed by the next steps; a running
     sequence has at least one (the last sampled token).
 
-    Encoder-decoder models: `token_ids` are the decoder's; `encoder_token_ids` (the encoder
-    prompt, never changed) run through the encoder on the sequence's prefill step, which writes
-    their cross-attention K/V into the blocks of `cross_block_table` (the cross pool's). Those
-    blocks hold the request's encoder output: forks share them, as they share decoder blocks.
+    Encoder-decoder models: `token_ids` are the decoder's; the encoder prompt, never changed,
+    is `encoder_token_ids` (a text encoder's) or `encoder_features` (an audio encoder's). It
+    runs through the encoder on the sequence's prefill step, which writes its cross-attention
+    K/V into the blocks of `cross_block_table` (the cross pool's). Those blocks hold the
+    request's encoder output: forks share them, as they share decoder blocks.
     """
 
     def __init__(
-        self, seq_id: int, prompt_token_ids: list[int], block_size: int, encoder_token_ids: tuple[int, ...] = ()
+        self,
+        seq_id: int,
+        prompt_token_ids: list[int],
+        block_size: int,
+        encoder_token_ids: tuple[int, ...] = (),
+        encoder_features: EncoderFeatures | None = None,
     ):
         self.seq_id = seq_id
         self.block_size = block_size
@@ -42,6 +67,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.encoder_token_ids = tuple(encoder_token_ids)
+        self.encoder_features = encoder_features
         self.cross_block_table: list[int] = []
         self.status = SeqStatus.WAITING
         self.cumulative_logprob = 0.0
@@ -64,7 +90,10 @@ class Sequence:
 
     @property
     def encoder_len(self) -> int:
-        """Encoder tokens (0 for a decoder-only model's sequence)."""
+        """Encoder tokens, the encoder positions of its features for an audio encoder (0 for a
+        decoder-only model's sequence)."""
+        if self.encoder_features is not None:
+            return self.encoder_features.num_positions
         return len(self.encoder_token_ids)
 
     @property
@@ -93,9 +122,9 @@ class Sequence:
 
     def block_hash(self, i: int) -> int:
         """Chained hash of full block `i`: hash((hash of block i-1, its token ids)). Block 0's
-        parent is None, or the hash of the encoder prompt: a decoder's K/V depend on the encoder
-        output through cross-attention, so equal decoder tokens over different encoder prompts
-        must not share blocks."""
+        parent is None, or the key of the encoder prompt (its token ids' hash, its features'
+        digest): a decoder's K/V depend on the encoder output through cross-attention, so equal
+        decoder tokens over different encoder prompts must not share blocks."""
         bs = self.block_size
         if (i + 1) * bs > len(self.token_ids):
             raise ValueError(f"block {i} is not full: sequence has {len(self.token_ids)} tokens of block size {bs}")
@@ -103,6 +132,8 @@ class Sequence:
             j = len(self._block_hashes)
             if j:
                 parent = self._block_hashes[j - 1]
+            elif self.encoder_features is not None:
+                parent = self.encoder_features.key
             else:
                 parent = hash(self.encoder_token_ids) if self.encoder_token_ids else None
             self._block_hashes.append(hash((parent, tuple(self.token_ids[j * bs : (j + 1) * bs]))))
@@ -152,7 +183,7 @@ class SequenceGroup:
     seqs: list[Sequence]
     arrival_index: int
     encoder_prompt: str | None = None
-    encoder_prompt_token_ids: list[int] | None = None  # None: a decoder-only request
+    encoder_prompt_token_ids: list[int] | None = None  # None: a decoder-only request, or an audio encoder's
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
     generators: list[torch.Generator | None] = field(default_factory=list)  # per completion, seeded requests
     forked: bool = False

@@ -14,6 +14,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "pagedattn.models.llama",
     "Gemma2ForCausalLM": "pagedattn.models.gemma2",
     "BartForConditionalGeneration": "pagedattn.models.bart",
+    "WhisperForConditionalGeneration": "pagedattn.models.whisper",
 }
 """Supported architecture name -> module holding the class of that name."""
 

@@ -3,8 +3,8 @@
 Four sources: `None` (the embedded SmolLM2 GGUF), a Hugging Face folder (`config.json` +
 `*.safetensors`; pickle weights are refused), a `.gguf` file (dequantised to the model dtype),
 or a Hugging Face Hub id (`org/name`), fetched into (or, with `HF_HUB_OFFLINE=1`, found in)
-huggingface_hub's cache. transformers parses configs and tokenizers of both kinds; the weights
-are read here.
+huggingface_hub's cache. transformers parses configs and tokenizers of both kinds (and an audio
+model's feature extractor, from the folder's `preprocessor_config.json`); the weights are read here.
 """
 
 from __future__ import annotations
@@ -142,11 +142,17 @@ class LoadedModel:
     model: nn.Module
     """`forward(input_ids int64 [T], positions int64 [T]) -> [T, hidden]`,
     `compute_logits([N, hidden]) -> float32 [N, vocab]`. Encoder-decoder models:
-    `forward(input_ids, positions, encoder_input_ids, encoder_positions)`, the encoder's int64
-    [num_encoder_tokens] or both None (a step that runs no encoder)."""
+    `forward(input_ids, positions, encoder_input, encoder_positions)`, both None for a step that
+    runs no encoder; else encoder_positions int64 [num_encoder_tokens] and encoder_input the
+    encoder's token ids int64 [num_encoder_tokens], or for an audio encoder (`audio` set) the
+    list of each prefill's float features [num_mel_bins, frames]."""
     tokenizer: object
     """A transformers tokenizer."""
     spec: ModelSpec
+    audio: object | None = None
+    """An audio encoder's request side (`pagedattn.models.whisper.LogMelInput`: features
+    checked, waveforms made into features, frames counted as encoder positions); None when the
+    model takes no audio."""
 
 
 def load_model(
@@ -175,7 +181,8 @@ def load_model(
 
     device = _resolve_device(device)
     path = resolve_model_path(model)
-    if path.is_dir():
+    folder = path if path.is_dir() else None
+    if folder is not None:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"expected a Hugging Face config.json in {str(path)!r}")
         config = AutoConfig.from_pretrained(path)
@@ -206,17 +213,16 @@ def load_model(
     net.eval().requires_grad_(False)
     for impl in attention_impls(net):  # backends that plan ahead (FlashInfer) plan from step one
         impl.set_query_dtype(dtype)
-    spec = _spec(architecture, config, tokenizer, dtype, extra_eos)
-    spec_fields = getattr(cls, "spec_fields", None)  # families whose config names differ (encoder-decoder)
-    if spec_fields is not None:
-        spec = dataclasses.replace(spec, **spec_fields(config))
+    spec = _spec(architecture, config, tokenizer, dtype, extra_eos, cls)
+    audio_input = getattr(cls, "audio_input", None)  # audio encoders: features from the folder's preprocessor config
+    audio = audio_input(config, folder) if audio_input is not None else None
     if max_model_len is not None:
         if max_model_len > spec.max_model_len:
             raise ValueError(
                 f"expected max_model_len <= the model's context of {spec.max_model_len} tokens, got {max_model_len}"
             )
         spec = dataclasses.replace(spec, max_model_len=max_model_len)
-    return LoadedModel(net, tokenizer, spec)
+    return LoadedModel(net, tokenizer, spec, audio)
 
 
 def _gguf_tokenizer(path: Path):
@@ -285,29 +291,36 @@ def _hf_architecture(config) -> str:
     )
 
 
-def _spec(architecture: str, config, tokenizer, dtype: torch.dtype, extra_eos) -> ModelSpec:
-    """The spec as decoder-only configs name things; a model class's `spec_fields(config)`
-    (a dict of ModelSpec fields) overrides it."""
-    windows = layer_sliding_windows(config)
+def _spec(architecture: str, config, tokenizer, dtype: torch.dtype, extra_eos, cls: type) -> ModelSpec:
+    """The spec: the geometry from the model class's `spec_fields(config)` (a dict of ModelSpec
+    fields, for families whose config names differ: encoder-decoder), else as decoder-only
+    configs name things."""
     eos: set[int] = set()
     for ids in (config.eos_token_id, tokenizer.eos_token_id, *extra_eos):
         if ids is not None:
             eos.update([ids] if isinstance(ids, int) else ids)
+    common = dict(
+        architecture=architecture,
+        vocab_size=config.vocab_size,
+        dtype=dtype,
+        eos_token_ids=frozenset(eos),
+        has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
+    )
+    spec_fields = getattr(cls, "spec_fields", None)
+    if spec_fields is not None:
+        return ModelSpec(**common, **spec_fields(config))
+    windows = layer_sliding_windows(config)
     num_heads = config.num_attention_heads
     return ModelSpec(
-        architecture=architecture,
+        **common,
         num_layers=config.num_hidden_layers,
         num_heads=num_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
         head_size=head_size_of(config),
         hidden_size=config.hidden_size,
-        vocab_size=config.vocab_size,
         max_model_len=config.max_position_embeddings,
-        dtype=dtype,
-        eos_token_ids=frozenset(eos),
         sliding_windows=windows,
         builder_sliding_window=windows[0] if len(set(windows)) == 1 else None,
-        has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
     )
 
 
