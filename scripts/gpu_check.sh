@@ -72,8 +72,10 @@ for s in $suites; do
     torch-fp16|torch-bf16|triton-fp16|triton-bf16)
       run "$s" "${LIMIT:-240}" python -m pytest tests/backend tests/gpu --backend "${s%-*}" --dtype "${s#*-}" \
         --device cuda -q -p no:cacheprovider -n 4 ;;
-    engine) run engine 300 python -m pytest tests/engine tests/models --backend triton --device cuda -q \
-        -p no:cacheprovider -n 4 ;;
+    engine) run engine "${ELIMIT:-300}" python -m pytest tests/engine tests/models --backend triton --device cuda -q \
+        -p no:cacheprovider -n "${WORKERS:-4}" --tb=short -rfEs ;;
+    encdec) run encdec "${ELIMIT:-200}" python -m pytest tests/engine/test_encoder_decoder.py tests/engine/test_whisper.py \
+        --backend xformers,flash_attn --device cuda -q -p no:cacheprovider -n "${WORKERS:-4}" --tb=short -rfEs ;;
     fi-record) FI_JIT_RECORD="$PWD/fi_jit_record.tsv" run fi-record "${LIMIT:-200}" python -m pytest tests/backend \
         tests/gpu tests/backend_flashinfer --backend flashinfer --device cuda -q -p no:cacheprovider -p fi_jit -n 8
       cp fi_jit_record.tsv "$LOGS/" 2>/dev/null ;;
