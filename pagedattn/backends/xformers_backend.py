@@ -70,27 +70,29 @@ def operator_reasons(device_type: str) -> dict[str, str]:
     reasons = {}
     for name in OPERATORS:
         op = getattr(fmha, name).FwOp
-        reasons[name] = _smoke_test(op) if op.is_available() else (
+        reasons[name] = smoke_test(op) if op.is_available() else (
             f"{op.NAME} does not load (XFORMERS_MORE_DETAILS=1 says why)")
     return reasons
 
 
-def _smoke_test(op) -> str:
+def smoke_test(op, device: torch.device = torch.device("cuda")) -> str:
     """Run `op` once on 1 query over 40 keys (the paged cache of one 64-slot block for the
-    split-K operator) and compare with a dense reference; "" when it agrees."""
+    split-K operator) on `device` and compare with a dense reference; "" when it agrees, else
+    why not (never raises: whatever goes wrong is the operator's reason)."""
     from xformers.ops import fmha
 
     from pagedattn.backends import xformers_bias
 
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(0)
-    q, k, v = (torch.randn(1, n, 1, 1, 128, device=dev, dtype=torch.bfloat16, generator=g) for n in (1, 64, 64))
-    if op is fmha.triton_splitk.FwOp:
-        bias = xformers_bias.paged([1], [40], torch.zeros(1, 1, dtype=torch.int32, device=dev), 64, causal=True)
-    else:
-        bias = xformers_bias.block_diagonal([1], [40], causal=True, sliding_window=None, device=dev)
-        k, v = k[:, :40], v[:, :40]
     try:
+        g = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(1, n, 1, 1, 128, device=device, dtype=torch.bfloat16, generator=g)
+                   for n in (1, 64, 64))
+        if op is fmha.triton_splitk.FwOp:
+            table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+            bias = xformers_bias.paged([1], [40], table, 64, causal=True)
+        else:
+            bias = xformers_bias.block_diagonal([1], [40], causal=False, sliding_window=None, device=device)
+            k, v = k[:, :40], v[:, :40]
         out = fmha.memory_efficient_attention_forward(q, k, v, attn_bias=bias, scale=0.1, op=op)
     except Exception as e:  # noqa: BLE001 - why it fails is the answer
         return f"{op.NAME} loads but does not run here: {type(e).__name__}: {str(e).splitlines()[0][:200]}"

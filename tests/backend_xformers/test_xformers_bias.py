@@ -198,3 +198,15 @@ def test_cpu_runs_our_kernels_and_says_why():
     if not torch.cuda.is_available():
         assert XFormersBackend.provider().startswith("pagedattn.kernels")
         assert "no cpu kernels" in XFormersBackend.provider()
+
+
+@pytest.mark.parametrize("name", ["cutlass", "triton_splitk"])
+def test_smoke_test_reports_instead_of_raising(name):
+    """The operator check behind `provider()` (run at import of the test suite, by `pagedattn
+    info`) answers with a reason on a device the operator refuses; it never raises."""
+    from xformers.ops import fmha
+
+    from pagedattn.backends.xformers_backend import smoke_test
+
+    why = smoke_test(getattr(fmha, name).FwOp, torch.device("cpu"))
+    assert "does not run here" in why, why
