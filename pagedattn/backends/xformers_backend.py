@@ -95,7 +95,8 @@ def smoke_test(op, device: torch.device = torch.device("cuda")) -> str:
             k, v = k[:, :40], v[:, :40]
         out = fmha.memory_efficient_attention_forward(q, k, v, attn_bias=bias, scale=0.1, op=op)
     except Exception as e:  # noqa: BLE001 - why it fails is the answer
-        return f"{op.NAME} loads but does not run here: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        detail = " ".join(line.strip() for line in str(e).splitlines() if line.strip())  # its reasons follow line 1
+        return f"{op.NAME} loads but does not run here: {type(e).__name__}: {detail[:400]}"
     keys, values = k[0, :40, 0, 0].float(), v[0, :40, 0, 0].float()
     ref = ((q[0, 0, 0, 0].float() @ keys.T) * 0.1).softmax(-1) @ values
     err = ((out.flatten().float() - ref).norm() / ref.norm()).item()

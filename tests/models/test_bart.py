@@ -79,8 +79,8 @@ def test_spec(checkpoint, device, backend_name):
     spec = lm.spec
     assert spec.architecture == "BartForConditionalGeneration" and spec.is_encoder_decoder
     geometry = (spec.num_layers, spec.num_cross_layers, spec.num_heads, spec.num_kv_heads, spec.head_size)
-    assert geometry == (2, 2, 4, 4, 8)
-    assert (spec.hidden_size, spec.vocab_size, spec.max_model_len, spec.max_encoder_len) == (32, VOCAB, 64, 64)
+    assert geometry == (2, 2, 4, 4, 16)
+    assert (spec.hidden_size, spec.vocab_size, spec.max_model_len, spec.max_encoder_len) == (64, VOCAB, 64, 64)
     assert spec.decoder_start_token_id == START and spec.eos_token_ids == {257}
     assert spec.sliding_windows == (None, None) and spec.builder_sliding_window is None
     kinds = [m.impl.attn_type for m in lm.model.modules() if isinstance(m, pagedattn.Attention)]
