@@ -31,11 +31,17 @@ import dataclasses
 import gc
 import statistics
 import sys
+import traceback
 
 import torch
 
 SHAPES_CUDA = ("smollm2-135m", "llama3-8b", "qwen2-7b")
 DECODE_BATCH, DECODE_PROMPT = 64, 128
+# Batches per workload of a full run, sized so one shape fits a few minutes of an H100: the short
+# workload across batch sizes (the plot), the long ones where the engine is meant to run.
+FULL_PLAN = {"cuda": {"128/128": [1, 16, 64, 256], "1024/128": [16, 64], "128/1024": [64], "sharegpt": [256]},
+             "cpu": {"128/128": [1, 16], "1024/128": [4], "128/1024": [1], "sharegpt": [16]}}
+QUICK_PLAN = {"cuda": {"128/128": [64]}, "cpu": {"128/128": [4]}}
 
 
 def _parser(prog: str | None) -> argparse.ArgumentParser:
@@ -55,14 +61,18 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per cell, after a warm-up (default 3)")
     p.add_argument("--no-transformers", action="store_true", help="skip transformers' generate_batch")
     p.add_argument("--no-online", action="store_true", help="skip the online latency part")
-    p.add_argument("--workloads", default=None, help="comma list of 128/128, 1024/128, 128/1024, sharegpt (default: all)")
+    p.add_argument("--workloads", default=None,
+                   help="comma list of 128/128, 1024/128, 128/1024, sharegpt (default: all; --quick: 128/128)")
     p.add_argument("--batches", default=None,
-                   help="comma list of batch sizes (default: 1,16,64,256 on CUDA; 1,16 on the CPU)")
+                   help="comma list of batch sizes for every workload (default per workload, CUDA / CPU: "
+                        + "; ".join(f"{w} {','.join(map(str, b))} / {','.join(map(str, FULL_PLAN['cpu'][w]))}"
+                                    for w, b in FULL_PLAN["cuda"].items()) + ")")
     p.add_argument("--max-model-len", type=int, default=4096, help="context of every shape (default 4096)")
-    p.add_argument("--request-rate", type=float, default=None, help="online requests per second (default: 8 CUDA, 1 CPU)")
-    p.add_argument("--online-requests", type=int, default=None, help="online requests sent (default: 200 CUDA, 16 CPU)")
-    p.add_argument("--max-run-s", type=float, default=120.0,
-                   help="a cell whose warm-up run takes longer reports that run alone (default 120)")
+    p.add_argument("--request-rate", type=float, default=None, help="online requests per second (default: 8 on CUDA, 1 on the CPU, 2 with --quick)")
+    p.add_argument("--online-requests", type=int, default=None, help="online requests sent (default: 200 on CUDA, 48 with --quick; 16 on the CPU, 8 with --quick)")
+    p.add_argument("--max-cell-s", type=float, default=90.0,
+                   help="time for a cell's timed runs: fewer repetitions when the warm-up says they would "
+                        "take longer, none when the warm-up alone did (default 90)")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -83,7 +93,8 @@ def _settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict
     bad = [s for s in shapes if s not in SHAPES]
     if bad:
         parser.error(f"expected --model-shape in {sorted(SHAPES)} or 'all', got {','.join(bad)}")
-    workloads = args.workloads.split(",") if args.workloads else (["128/128"] if args.quick else list(WORKLOADS))
+    defaults = (QUICK_PLAN if args.quick else FULL_PLAN)[device.type]
+    workloads = args.workloads.split(",") if args.workloads else list(defaults)
     bad = [w for w in workloads if w not in WORKLOADS]
     if bad:
         parser.error(f"expected --workloads in {list(WORKLOADS)}, got {','.join(bad)}")
@@ -91,28 +102,28 @@ def _settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict
         batches = [int(b) for b in args.batches.split(",")] if args.batches else None
     except ValueError:
         parser.error(f"expected --batches to be a comma list of ints, got {args.batches!r}")
-    if batches is None:
-        batches = ([64] if cuda else [4]) if args.quick else ([1, 16, 64, 256] if cuda else [1, 16])
-    if min(batches) < 1 or args.reps < 1 or args.max_model_len < 256:
+    plan = [(w, b) for w in workloads for b in sorted(set(batches or defaults.get(w) or FULL_PLAN[device.type][w]))]
+    if min(b for _, b in plan) < 1 or args.reps < 1 or args.max_model_len < 256:
         parser.error(f"expected batches >= 1, --reps >= 1, --max-model-len >= 256; got {batches}, "
                      f"{args.reps}, {args.max_model_len}")
-    if args.backend != "auto":
-        from pagedattn.attention.registry import backend_names
+    from pagedattn.attention.registry import BackendUnavailableError, get_backend
 
-        if args.backend not in backend_names():
-            parser.error(f"expected --backend in {['auto', *backend_names()]}, got {args.backend!r}")
+    try:  # "auto" as LLMEngine resolves it (torch on the CPU), since the model is built with the backend
+        backend = get_backend("torch" if args.backend == "auto" and not cuda else args.backend).get_name()
+    except BackendUnavailableError as e:
+        parser.error(str(e))
     dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16, "float32": torch.float32}[args.dtype]
     rate = args.request_rate or (8.0 if cuda else (2.0 if args.quick else 1.0))
     online = args.online_requests or ((48 if args.quick else 200) if cuda else (8 if args.quick else 16))
     if rate <= 0 or online < 1:
         parser.error(f"expected --request-rate > 0 and --online-requests >= 1, got {rate}, {online}")
-    return dict(device=device, shapes=shapes, workloads=workloads, batches=sorted(set(batches)), dtype=dtype,
-                backend=args.backend, reps=args.reps, max_model_len=args.max_model_len, seed=args.seed,
+    return dict(device=device, shapes=shapes, plan=plan, dtype=dtype,
+                backend=backend, reps=args.reps, max_model_len=args.max_model_len, seed=args.seed,
                 transformers=not args.no_transformers, online=not args.no_online, request_rate=rate,
                 online_requests=online, online_max_tokens=(128 if args.quick else 512) if cuda else (32 if args.quick else 128),
-                decode_steps=(64 if cuda else 8) if args.quick else 128, max_run_s=args.max_run_s,
-                max_num_seqs=max(*batches, DECODE_BATCH), quick=args.quick)
+                decode_steps=(64 if cuda else 8) if args.quick else 128, max_cell_s=args.max_cell_s,
+                max_num_seqs=max(*(b for _, b in plan), DECODE_BATCH), quick=args.quick)
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
@@ -131,32 +142,34 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
               "shapes": {}, "offline": []}
     bandwidth = offline.copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (256 << 20))
     result["copy_bandwidth_gb_s"] = bandwidth / 1e9
-    cells = len(settings["workloads"]) * len(settings["batches"])
-    fixed = sum(w in offline.FIXED for w in settings["workloads"]) * len(settings["batches"])
-    runs_per_shape = (cells + fixed * settings["transformers"]) * (settings["reps"] + 1) + 2  # + decode, online
+    plan = settings["plan"]
+    fixed = sum(w in offline.FIXED for w, _ in plan)
+    runs_per_shape = (len(plan) + fixed * settings["transformers"]) * (settings["reps"] + 1) + 2  # + decode, online
     with tqdm(total=runs_per_shape * len(settings["shapes"]), desc="engine bench", unit="run", dynamic_ncols=True) as bar:
         for shape in settings["shapes"]:
-            result["shapes"][shape] = _bench_shape(shape, settings, bandwidth, result["offline"], bar)
+            try:
+                result["shapes"][shape] = _bench_shape(shape, settings, bandwidth, result["offline"], bar)
+            except Exception as e:  # noqa: BLE001 - keep the other shapes' results (device time is scarce)
+                traceback.print_exc()
+                result["shapes"][shape] = {"error": f"{type(e).__name__}: {e}", "skipped": []}
+            _free(device)
     result["environment"]["load_average_after"] = report.load_average()
     result["targets"] = report.targets(result)
     paths = report.write(result, args.out)
     report.print_summary(result)
     print("wrote " + ", ".join(str(p) for p in paths))
-    return 0
+    return 1 if any("error" in v for v in result["shapes"].values()) else 0
 
 
 def _bench_shape(shape: str, s: dict, bandwidth: float, rows: list[dict], bar) -> dict:
     """Every part of the run for one model shape; offline rows are appended to `rows`."""
-    from pagedattn.attention.registry import get_backend
     from pagedattn.benchmarks import engine_offline as offline
     from pagedattn.benchmarks import engine_online as online
     from pagedattn.engine.config import EngineConfig
     from pagedattn.engine.llm_engine import LLMEngine
     from pagedattn.models.dummy import load_dummy_model, transformers_model
 
-    device = s["device"]
-    # As LLMEngine resolves "auto" (torch on the CPU), before the model is built with the backend.
-    backend = get_backend("torch" if s["backend"] == "auto" and device.type == "cpu" else s["backend"]).get_name()
+    device, backend = s["device"], s["backend"]
     bar.set_description(f"{shape}: building")
     loaded = load_dummy_model(shape, device=device, dtype=s["dtype"], attention_backend=backend,
                               max_model_len=min(s["max_model_len"], _context(shape)), seed=s["seed"])
@@ -175,15 +188,14 @@ def _bench_shape(shape: str, s: dict, bandwidth: float, rows: list[dict], bar) -
                                     seed=s["seed"]), loaded)
     info["num_kv_blocks"] = engine.block_manager.num_blocks
     ours = {}
-    for workload in s["workloads"]:
-        for batch in s["batches"]:
-            lengths = offline.request_lengths(workload, batch, max_model_len=spec.max_model_len, seed=s["seed"])
-            bar.set_description(f"{shape}: pagedattn {workload} x{batch}")
-            cell = offline.measure(
-                lambda rep: offline.run_ours(engine, offline.make_requests(
-                    lengths, vocab_size=spec.vocab_size, seed=s["seed"], rep=rep)),
-                s["reps"], s["max_run_s"], bar.update)
-            ours[workload, batch] = _row(rows, shape, "pagedattn", backend, s, workload, batch, lengths, cell)
+    for workload, batch in s["plan"]:
+        lengths = offline.request_lengths(workload, batch, max_model_len=spec.max_model_len, seed=s["seed"])
+        bar.set_description(f"{shape}: pagedattn {workload} x{batch}")
+        cell = offline.measure(
+            lambda rep: offline.run_ours(engine, offline.make_requests(
+                lengths, vocab_size=spec.vocab_size, seed=s["seed"], rep=rep)),
+            s["reps"], s["max_cell_s"], bar.update)
+        ours[workload, batch] = _row(rows, shape, "pagedattn", backend, s, workload, batch, lengths, cell)
     bar.set_description(f"{shape}: decode step")
     info["decode_step"] = offline.decode_step(engine, batch=DECODE_BATCH, prompt_len=DECODE_PROMPT,
                                               steps=s["decode_steps"], seed=s["seed"],
@@ -204,25 +216,25 @@ def _bench_shape(shape: str, s: dict, bandwidth: float, rows: list[dict], bar) -
     del engine
     _free(device)
     if peer is not None:
+        if device.type == "cuda":  # what our engine left behind (the shared weights, no more)
+            info["allocated_gib_before_transformers"] = torch.cuda.memory_allocated(device) / 2**30
         runner = offline.TransformersRunner(peer)
-        for workload in (w for w in s["workloads"] if w in offline.FIXED):
-            for batch in s["batches"]:
-                lengths = offline.request_lengths(workload, batch, max_model_len=spec.max_model_len, seed=s["seed"])
-                bar.set_description(f"{shape}: transformers {workload} x{batch}")
-                try:
-                    cell = offline.measure(
-                        lambda rep: runner.run(offline.make_requests(
-                            lengths, vocab_size=spec.vocab_size, seed=s["seed"], rep=rep)),
-                        s["reps"], s["max_run_s"], bar.update)
-                except Exception as e:  # noqa: BLE001 - the peer's API moves between versions: report, go on
-                    info["skipped"].append(f"transformers {workload} x{batch}: {type(e).__name__}: {e}")
-                    continue
-                finally:
-                    runner.close()
-                row = _row(rows, shape, "transformers", "generate_batch", s, workload, batch, lengths, cell)
-                mine = ours.get((workload, batch))
-                if mine is not None:
-                    mine["speedup"] = mine["tokens_per_s"] / row["tokens_per_s"]
+        for workload, batch in ((w, b) for w, b in s["plan"] if w in offline.FIXED):
+            lengths = offline.request_lengths(workload, batch, max_model_len=spec.max_model_len, seed=s["seed"])
+            bar.set_description(f"{shape}: transformers {workload} x{batch}")
+            try:
+                cell = offline.measure(
+                    lambda rep: runner.run(offline.make_requests(
+                        lengths, vocab_size=spec.vocab_size, seed=s["seed"], rep=rep)),
+                    s["reps"], s["max_cell_s"], bar.update)
+            except Exception as e:  # noqa: BLE001 - the peer's API moves between versions: report, go on
+                info["skipped"].append(f"transformers {workload} x{batch}: {type(e).__name__}: {e}")
+                continue
+            finally:
+                runner.close()
+            row = _row(rows, shape, "transformers", "generate_batch", s, workload, batch, lengths, cell)
+            ours[workload, batch]["speedup"] = ours[workload, batch]["tokens_per_s"] / row["tokens_per_s"]
+        del runner
     del peer, loaded
     _free(device)
     return info

@@ -58,7 +58,8 @@ class Run:
 
 def request_lengths(workload: str, n: int, *, max_model_len: int, seed: int,
                     dist: LengthDistribution = SHAREGPT) -> list[tuple[int, int]]:
-    """(input, output) tokens of `n` requests; a drawn prompt is cut so prompt + output fit the context."""
+    """(input, output) tokens of `n` requests; drawn lengths are cut so prompt + output fit the
+    context (the output first to leave `min_len` prompt tokens, then the prompt)."""
     if workload in FIXED:
         inp, out = FIXED[workload]
         if inp + out > max_model_len:
@@ -70,7 +71,8 @@ def request_lengths(workload: str, n: int, *, max_model_len: int, seed: int,
     normal = torch.randn(2, n, generator=gen, dtype=torch.float64)
     lengths = []
     for a, b in normal.T.tolist():
-        out = min(max(round(dist.output_median * math.exp(dist.output_sigma * b)), dist.min_len), dist.max_output)
+        out = min(max(round(dist.output_median * math.exp(dist.output_sigma * b)), dist.min_len), dist.max_output,
+                  max_model_len - dist.min_len)
         inp = min(max(round(dist.input_median * math.exp(dist.input_sigma * a)), dist.min_len), dist.max_input)
         lengths.append((min(inp, max_model_len - out), out))
     return lengths
@@ -166,26 +168,31 @@ class TransformersRunner:
 # ---------------------------------------------------------------------- a cell
 
 
-def measure(run_once: Callable[[int], Run], reps: int, max_run_s: float, tick: Callable[[], None]) -> dict:
-    """A warm-up run (rep -1), then `reps` timed runs; `run_once(rep)` runs one. A warm-up longer
-    than `max_run_s` stands alone (no timed runs, a note says why). `tick` after each run."""
+def measure(run_once: Callable[[int], Run], reps: int, max_cell_s: float, tick: Callable[[], None]) -> dict:
+    """A warm-up run (rep -1), then up to `reps` timed runs; `run_once(rep)` runs one. The timed
+    runs are cut to what fits `max_cell_s` at the warm-up's pace (a note says so); a warm-up
+    longer than `max_cell_s` stands alone, untimed runs none. `tick` after each planned run."""
     warm = run_once(-1)
     tick()
-    if warm.seconds > max_run_s:
+    fit = reps if warm.seconds * reps <= max_cell_s else int(max_cell_s // warm.seconds)
+    if fit == 0:
         for _ in range(reps):
             tick()
         return {"runs_s": [], "generated": warm.generated, "median_s": warm.seconds, "spread": None,
                 "tokens_per_s": warm.generated / warm.seconds,
-                "note": f"warm-up took {warm.seconds:.0f} s > --max-run-s {max_run_s:g}: warm-up time only"}
+                "note": f"warm-up {warm.seconds:.0f} s > --max-cell-s {max_cell_s:g}: the warm-up run alone"}
     runs = []
     for rep in range(reps):
-        runs.append(run_once(rep))
+        if rep < fit:
+            runs.append(run_once(rep))
         tick()
     seconds = [r.seconds for r in runs]
     median = statistics.median(seconds)
     generated = runs[0].generated
-    return {"runs_s": [round(s, 5) for s in seconds], "generated": generated, "median_s": median,
-            "spread": (max(seconds) - min(seconds)) / median, "tokens_per_s": generated / median, "note": ""}
+    return {"runs_s": [round(x, 5) for x in seconds], "generated": generated, "median_s": median,
+            "spread": (max(seconds) - min(seconds)) / median if len(runs) > 1 else None,
+            "tokens_per_s": generated / median,
+            "note": f"{fit} of {reps} repetitions (--max-cell-s {max_cell_s:g})" if fit < reps else ""}
 
 
 # ---------------------------------------------------------------------- the decode step and its floor
@@ -246,18 +253,20 @@ def decode_step(engine, *, batch: int, prompt_len: int, steps: int, seed: int, w
             "kv_bytes": per_token * context, "floor_s": floor, "ratio_to_floor": step / floor}
 
 
-def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 10) -> float:
-    """Bytes/s of a device-to-device copy of `nbytes` (read plus written), median of `repeats`."""
+def copy_bandwidth(device: torch.device, nbytes: int, copies: int = 10, trials: int = 5) -> float:
+    """Bytes/s of device-to-device copies of `nbytes` (each read once and written once): the
+    median of `trials` timings of `copies` back-to-back copies (one synchronisation per trial)."""
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
     times = []
-    for _ in range(repeats):
+    for _ in range(trials):
         _sync(device)
         start = time.perf_counter()
-        dst.copy_(src)
+        for _ in range(copies):
+            dst.copy_(src)
         _sync(device)
         times.append(time.perf_counter() - start)
     del src, dst
-    return 2 * nbytes / statistics.median(times)
+    return 2 * nbytes * copies / statistics.median(times)

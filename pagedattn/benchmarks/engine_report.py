@@ -178,8 +178,8 @@ def plot(result: dict, path: Path) -> Path | None:
 # ---------------------------------------------------------------------- the table
 
 
-def print_summary(result: dict, file=sys.stdout) -> None:
-    p = lambda *a: print(*a, file=file)  # noqa: E731
+def print_summary(result: dict) -> None:
+    p = print
     env = result["environment"]
     p(f"\n{env.get('gpu') or env['cpu']}, torch {env['torch']}, transformers {env['transformers']}, "
       f"copy bandwidth {result['copy_bandwidth_gb_s']:.0f} GB/s, load average {env['load_average_before']} "
@@ -191,6 +191,8 @@ def print_summary(result: dict, file=sys.stdout) -> None:
         p(f"{r['shape']:<13} {r['impl']:<12} {r['workload']:<9} {r['batch']:>5} {r['tokens_per_s']:>10.1f} "
           f"{spread:>7} {speedup:>8}  {r['note']}")
     for shape, s in result["shapes"].items():
+        if "error" in s:
+            p(f"{shape}: FAILED: {s['error']}")
         for why in s.get("skipped", []):
             p(f"{shape}: {why}")
         o = s.get("online")
