@@ -122,7 +122,7 @@ def _settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict
                 backend=backend, reps=args.reps, max_model_len=args.max_model_len, seed=args.seed,
                 transformers=not args.no_transformers, online=not args.no_online, request_rate=rate,
                 online_requests=online, online_max_tokens=(128 if args.quick else 512) if cuda else (32 if args.quick else 128),
-                decode_steps=(64 if cuda else 8) if args.quick else 128, max_cell_s=args.max_cell_s,
+                decode_steps=(64 if args.quick else 128) if cuda else (8 if args.quick else 32), max_cell_s=args.max_cell_s,
                 max_num_seqs=max(*(b for _, b in plan), DECODE_BATCH), quick=args.quick)
 
 
@@ -219,6 +219,7 @@ def _bench_shape(shape: str, s: dict, bandwidth: float, rows: list[dict], bar) -
         if device.type == "cuda":  # what our engine left behind (the shared weights, no more)
             info["allocated_gib_before_transformers"] = torch.cuda.memory_allocated(device) / 2**30
         runner = offline.TransformersRunner(peer)
+        info["transformers"] = runner.description
         for workload, batch in ((w, b) for w, b in s["plan"] if w in offline.FIXED):
             lengths = offline.request_lengths(workload, batch, max_model_len=spec.max_model_len, seed=s["seed"])
             bar.set_description(f"{shape}: transformers {workload} x{batch}")

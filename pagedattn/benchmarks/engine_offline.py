@@ -124,14 +124,22 @@ class TransformersRunner:
 
     Where generate_batch can keep its manager between calls (`persistent_manager`), the warm-up
     call sizes it and captures its CUDA graphs, and the timed calls reuse it, as our engine
-    reuses its graphs; `close()` frees it before the next cell.
+    reuses its graphs; `close()` frees it before the next cell. On CUDA its graphs are asked
+    for (`use_cuda_graph=True`): by default transformers turns them off for attention that needs
+    a mask (sdpa, what runs where flash-attn is not installed).
     """
 
     def __init__(self, model):
         self.model = model
+        params = inspect.signature(model.generate_batch).parameters
+        self.persistent = "persistent_manager" in params
+        self.cuda_graphs = model.device.type == "cuda" and "continuous_batching_config" in params
         # Its continuous batching warns on every call that keeps a manager; the bar says enough.
         logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
-        self.persistent = "persistent_manager" in inspect.signature(model.generate_batch).parameters
+
+    @property
+    def description(self) -> str:
+        return f"generate_batch (persistent_manager={self.persistent}, use_cuda_graph={self.cuda_graphs})"
 
     @staticmethod
     def unavailable_reason(model) -> str | None:
@@ -150,6 +158,10 @@ class TransformersRunner:
         # eos_token_id -1: never stop early, as ignore_eos on our side
         config = GenerationConfig(max_new_tokens=new.pop(), do_sample=False, eos_token_id=-1, pad_token_id=0)
         kwargs = {"persistent_manager": True} if self.persistent else {}
+        if self.cuda_graphs:
+            from transformers import ContinuousBatchingConfig
+
+            kwargs["continuous_batching_config"] = ContinuousBatchingConfig(use_cuda_graph=True)
         device = self.model.device
         _sync(device)
         start = time.perf_counter()
@@ -219,7 +231,7 @@ def decode_step(engine, *, batch: int, prompt_len: int, steps: int, seed: int, w
                 bandwidth: float) -> dict:
     """Time every `engine.step()` of `batch` requests (prompt `prompt_len`, `steps` + 1 output
     tokens); a step counts as a pure decode step of the whole batch when, before it, every
-    request has its first token and none has finished. Its floor: the weights plus the K/V of
+    request has its first token, all are running and none has finished. Its floor: the weights plus the K/V of
     every context token (at the median step) read once at `bandwidth` bytes/s."""
     spec = engine.spec
     per_token = kv_bytes_per_token(spec, engine.runner.cache_dtype)
@@ -231,7 +243,8 @@ def decode_step(engine, *, batch: int, prompt_len: int, steps: int, seed: int, w
     finished: set[str] = set()
     times, contexts = [], []
     while engine.has_unfinished():
-        pure = not finished and min(generated.values()) > 0
+        stats = engine.stats()  # none preempted (waiting again, or swapped out)
+        pure = not finished and min(generated.values()) > 0 and stats.num_running == batch
         start = time.perf_counter()
         outs = engine.step()
         elapsed = time.perf_counter() - start
