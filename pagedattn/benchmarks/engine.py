@@ -68,8 +68,10 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
                         + "; ".join(f"{w} {','.join(map(str, b))} / {','.join(map(str, FULL_PLAN['cpu'][w]))}"
                                     for w, b in FULL_PLAN["cuda"].items()) + ")")
     p.add_argument("--max-model-len", type=int, default=4096, help="context of every shape (default 4096)")
-    p.add_argument("--request-rate", type=float, default=None, help="online requests per second (default: 8 on CUDA, 1 on the CPU, 2 with --quick)")
-    p.add_argument("--online-requests", type=int, default=None, help="online requests sent (default: 200 on CUDA, 48 with --quick; 16 on the CPU, 8 with --quick)")
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="online requests per second (default: 8 on CUDA, 1 on the CPU, 2 with --quick)")
+    p.add_argument("--online-requests", type=int, default=None,
+                   help="online requests sent (default: 200 on CUDA, 48 with --quick; 16 on the CPU, 8 with --quick)")
     p.add_argument("--max-cell-s", type=float, default=90.0,
                    help="time for a cell's timed runs: fewer repetitions when the warm-up says they would "
                         "take longer, none when the warm-up alone did (default 90)")
@@ -121,8 +123,10 @@ def _settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict
     return dict(device=device, shapes=shapes, plan=plan, dtype=dtype,
                 backend=backend, reps=args.reps, max_model_len=args.max_model_len, seed=args.seed,
                 transformers=not args.no_transformers, online=not args.no_online, request_rate=rate,
-                online_requests=online, online_max_tokens=(128 if args.quick else 512) if cuda else (32 if args.quick else 128),
-                decode_steps=(64 if args.quick else 128) if cuda else (8 if args.quick else 32), max_cell_s=args.max_cell_s,
+                online_requests=online,
+                online_max_tokens=(128 if args.quick else 512) if cuda else (32 if args.quick else 128),
+                decode_steps=(64 if args.quick else 128) if cuda else (8 if args.quick else 32),
+                max_cell_s=args.max_cell_s,
                 max_num_seqs=max(*(b for _, b in plan), DECODE_BATCH), quick=args.quick)
 
 
@@ -145,7 +149,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     plan = settings["plan"]
     fixed = sum(w in offline.FIXED for w, _ in plan)
     runs_per_shape = (len(plan) + fixed * settings["transformers"]) * (settings["reps"] + 1) + 2  # + decode, online
-    with tqdm(total=runs_per_shape * len(settings["shapes"]), desc="engine bench", unit="run", dynamic_ncols=True) as bar:
+    total = runs_per_shape * len(settings["shapes"])
+    with tqdm(total=total, desc="engine bench", unit="run", dynamic_ncols=True) as bar:
         for shape in settings["shapes"]:
             try:
                 result["shapes"][shape] = _bench_shape(shape, settings, bandwidth, result["offline"], bar)

@@ -63,7 +63,8 @@ def request_lengths(workload: str, n: int, *, max_model_len: int, seed: int,
     if workload in FIXED:
         inp, out = FIXED[workload]
         if inp + out > max_model_len:
-            raise ValueError(f"expected workload {workload} to fit max_model_len={max_model_len}, got {inp + out} tokens")
+            raise ValueError(
+                f"expected workload {workload} to fit max_model_len={max_model_len}, got {inp + out} tokens")
         return [(inp, out)] * n
     if workload != "sharegpt":
         raise ValueError(f"expected a workload in {list(WORKLOADS)}, got {workload!r}")

@@ -159,7 +159,8 @@ def plot(result: dict, path: Path) -> Path | None:
         rows = [r for r in result["offline"] if r["shape"] == shape]
         for impl, style in (("pagedattn", "-o"), ("transformers", "--s")):
             for workload in dict.fromkeys(r["workload"] for r in rows):
-                pts = sorted((r["batch"], r["tokens_per_s"]) for r in rows if r["impl"] == impl and r["workload"] == workload)
+                pts = sorted((r["batch"], r["tokens_per_s"]) for r in rows
+                             if r["impl"] == impl and r["workload"] == workload)
                 if pts:
                     color = colors.setdefault(workload, f"C{len(colors)}")
                     ax.plot(*zip(*pts), style, color=color, label=f"{impl} {workload}")

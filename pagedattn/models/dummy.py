@@ -102,7 +102,8 @@ def load_dummy_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            net = get_model_cls(architecture)(config, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype)
+            net = get_model_cls(architecture)(
+                config, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype)
     finally:
         torch.set_default_dtype(default_dtype)
     _randomize(net, torch.Generator(device=device).manual_seed(seed))

@@ -61,7 +61,8 @@ def test_dummy_model_shares_weights_with_transformers():
     peer = transformers_model(loaded)
     ours = {p.data_ptr() for p in loaded.model.parameters()}
     qkv = loaded.model.model.layers[0].self_attn.qkv_proj.weight
-    assert peer.model.layers[0].self_attn.k_proj.weight.data_ptr() == qkv[SHAPES["tiny-llama"]["hidden_size"]:].data_ptr()
+    k_rows = qkv[SHAPES["tiny-llama"]["hidden_size"]:]  # q has hidden_size rows, then k
+    assert peer.model.layers[0].self_attn.k_proj.weight.data_ptr() == k_rows.data_ptr()
     assert peer.lm_head.weight.data_ptr() in ours
     ids = torch.arange(5, 25)[None]
     with torch.no_grad():
