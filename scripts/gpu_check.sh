@@ -3,7 +3,8 @@
 # the kernel benchmark. $OUT (or ./gpu_out) gets summary.txt and logs.tgz (every log, refreshed
 # after each suite: the machine returns at most 8 files). Usage:
 #   bash scripts/gpu_check.sh [suite ...]      suites: torch triton flashinfer kernels bench engine
-#                                              backends overhead engine-bench engine-bench-fi ...
+#                                              backends overhead engine-bench engine-bench-fi
+#                                              engine-bench-full (SHAPE=llama3-8b by default) ...
 #
 # overhead: `pagedattn bench overhead --json` (per-layer host time of impl.forward) for this tree and,
 # when ${BASE:-.base}/pagedattn exists (an older checkout, e.g. `git archive 6116b13 pagedattn |
@@ -90,8 +91,13 @@ for s in $suites; do
         PYTHONPATH="$(cd "${BASE:-.base}" && pwd):$PYTHONPATH" run overhead-base 150 python pagedattn/benchmarks/overhead.py --json
         tail -1 "$LOGS/overhead-base.log" >> "$summary"
       fi ;;
-    engine-bench) run engine-bench 170 python -m pagedattn bench engine-gpu --backend triton ;;
-    engine-bench-fi) run engine-bench-fi 170 python -m pagedattn bench engine-gpu --backend flashinfer ;;
+    # engine benchmark: results (JSON, CSV, PNG) under $LOGS/<suite>/ in logs.tgz, its table in summary.txt
+    engine-bench|engine-bench-fi|engine-bench-full)
+      args=(--quick --backend triton)
+      [ "$s" = engine-bench-fi ] && args=(--quick --backend flashinfer)
+      [ "$s" = engine-bench-full ] && args=(--model-shape "${SHAPE:-llama3-8b}" --backend triton)
+      run "$s" "${LIMIT:-590}" python -m pagedattn bench engine "${args[@]}" --out "$LOGS/$s"
+      sed -n '/^shape /,/^wrote /p' "$LOGS/$s.log" >> "$summary" ;;
   esac
 done
 cat "$LOGS/info.log"

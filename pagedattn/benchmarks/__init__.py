@@ -30,9 +30,7 @@ BENCHMARKS = {b.name: b for b in (
     Benchmark("overhead", "pagedattn.benchmarks.overhead",
               "host time of one layer's impl.forward per backend, eager decode, B=1 (CPU or GPU)"),
     Benchmark("engine", "pagedattn.benchmarks.engine",
-              "pagedattn.LLM against transformers' generate on the default model: tokens/s, peak memory"),
-    Benchmark("engine-gpu", "pagedattn.benchmarks.engine_gpu",
-              "pagedattn.LLM against transformers' continuous batching on a random Llama (GPU)"),
+              "the engine against transformers' generate_batch at real model shapes: throughput, latency"),
 )}
 
 

@@ -1,156 +1,273 @@
-"""Engine throughput and memory: `pagedattn.LLM` vs transformers' `generate` on one model.
+"""Engine throughput and latency at real model shapes: our engine against transformers'
+continuous batching (`generate_batch`) on the same weights.
 
-Each (implementation, batch size) runs in a fresh subprocess, so its peak resident set size
-(`ru_maxrss`) is its own. Both sides get the same token ids (the chat template applied and
-tokenized once, by the same call), the same torch thread count, and the same dtype (float32 on
-the CPU, the model's bf16 on CUDA); both decode greedily for exactly `MAX_TOKENS` new tokens
-(EOS ignored). Both warm up once on a prompt unlike the timed ones, then time `REPEATS` runs
-and report the median: generated tokens per second of wall time, prefill included. Our prefix
-cache is off, so a repeated run recomputes its prompts as transformers does.
+Models: SmolLM2-135M, Llama-3-8B and Qwen2-7B shapes with seeded random weights made on the
+device (`pagedattn.models.dummy`; nothing is downloaded), bf16 on CUDA (CUDA graphs on), float32
+on the CPU. Prompts are random token ids; decoding is greedy with EOS ignored.
 
-Run: `pagedattn bench engine [--device cpu|cuda] [--out rows.json]`.
+Per shape, in one process:
+1. offline: for each workload (`128/128`, `1024/128`, `128/1024` input/output tokens, and
+   `sharegpt`, log-normal lengths, see `engine_offline.SHAREGPT`) and batch, `batch` requests
+   are queued at once and run to the end: a warm-up run, then `--reps` timed runs; the median
+   output tokens/s and the spread (max - min) / median of the run times. transformers runs the
+   fixed workloads on the same weight tensors (its generate_batch takes one max_new_tokens, so
+   not `sharegpt`), after our engine is freed, so each side has the device's memory.
+2. the decode step: every engine step of 64 requests (128-token prompts) once all are in
+   decode, timed; its median against the floor (weights + K/V read once at the device-to-device
+   copy bandwidth measured at the start of the run).
+3. online: `pagedattn serve`'s app on loopback under a Poisson request rate (sharegpt lengths),
+   TTFT / TPOT / ITL p50 and p99 (`engine_online`); skipped, with the reason, without fastapi.
+Targets (Llama-3-8B on an H100): decode step within 1.3x of its floor, >= 5x transformers,
+spread under 5%; printed next to the measurements. Results: JSON, CSV and a PNG in `--out`.
+
+    pagedattn bench engine --quick                  # every shape, one workload: minutes
+    pagedattn bench engine --model-shape llama3-8b  # every workload and batch
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import resource
-import subprocess
+import dataclasses
+import gc
+import statistics
 import sys
-import time
+import traceback
 
-from pagedattn.benchmarks import require_cuda
+import torch
 
-MAX_TOKENS = 64
-REPEATS = 3
-BATCHES = (1, 16)
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain what a paged KV cache is in one paragraph.",
-    "List three prime numbers.",
-]
-WARMUP_PROMPT = "Warm-up: count from one to ten."
+SHAPES_CUDA = ("smollm2-135m", "llama3-8b", "qwen2-7b")
+DECODE_BATCH, DECODE_PROMPT = 64, 128
+# Batches per workload of a full run, sized so one shape fits a few minutes of an H100: the short
+# workload across batch sizes (the plot), the long ones where the engine is meant to run.
+FULL_PLAN = {"cuda": {"128/128": [1, 16, 64, 256], "1024/128": [16, 64], "128/1024": [64], "sharegpt": [256]},
+             "cpu": {"128/128": [1, 16], "1024/128": [4], "128/1024": [1], "sharegpt": [16]}}
+QUICK_PLAN = {"cuda": {"128/128": [64]}, "cpu": {"128/128": [4]}}
 
 
-def _prompts(n: int) -> list[str]:
-    return [PROMPTS[i % len(PROMPTS)] + f" (request {i})" for i in range(n)]
+def _parser(prog: str | None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].replace("\n", " "),
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-shape", default=None,
+                   help="comma list of shapes (smollm2-135m, llama3-8b, qwen2-7b, tiny-llama) or 'all' "
+                        "(default: all three real shapes on CUDA, smollm2-135m on the CPU)")
+    p.add_argument("--backend", default="auto", help="attention backend of our engine (default: auto)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="model dtype (auto: bfloat16 on CUDA, float32 on the CPU)")
+    p.add_argument("--quick", action="store_true",
+                   help="one workload (128/128) at one batch (64 on CUDA, 4 on the CPU), short decode and online parts")
+    p.add_argument("--out", default="engine-bench", help="folder for the JSON, CSV and PNG (default: ./engine-bench)")
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions per cell, after a warm-up (default 3)")
+    p.add_argument("--no-transformers", action="store_true", help="skip transformers' generate_batch")
+    p.add_argument("--no-online", action="store_true", help="skip the online latency part")
+    p.add_argument("--workloads", default=None,
+                   help="comma list of 128/128, 1024/128, 128/1024, sharegpt (default: all; --quick: 128/128)")
+    p.add_argument("--batches", default=None,
+                   help="comma list of batch sizes for every workload (default per workload, CUDA / CPU: "
+                        + "; ".join(f"{w} {','.join(map(str, b))} / {','.join(map(str, FULL_PLAN['cpu'][w]))}"
+                                    for w, b in FULL_PLAN["cuda"].items()) + ")")
+    p.add_argument("--max-model-len", type=int, default=4096, help="context of every shape (default 4096)")
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="online requests per second (default: 8 on CUDA, 1 on the CPU, 2 with --quick)")
+    p.add_argument("--online-requests", type=int, default=None,
+                   help="online requests sent (default: 200 on CUDA, 48 with --quick; 16 on the CPU, 8 with --quick)")
+    p.add_argument("--max-cell-s", type=float, default=90.0,
+                   help="time for a cell's timed runs: fewer repetitions when the warm-up says they would "
+                        "take longer, none when the warm-up alone did (default 90)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
 
 
-def _token_ids(tok, texts: list[str]) -> list[list[int]]:
-    """The chat-templated prompts as token ids, exactly as both sides consume them."""
-    chats = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
-             for t in texts]
-    return [tok(c, add_special_tokens=False)["input_ids"] for c in chats]
+def _settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
+    """The run's plan from the flags and the device, or parser.error (one line, exit 2)."""
+    from pagedattn.benchmarks.engine_offline import WORKLOADS
+    from pagedattn.engine.config import EngineConfig
+    from pagedattn.models.dummy import SHAPES
 
+    try:
+        device = EngineConfig(device=args.device).resolved_device()
+    except ValueError as e:
+        parser.error(str(e))
+    cuda = device.type == "cuda"
+    shapes = args.model_shape or ("all" if cuda else "smollm2-135m")
+    shapes = list(SHAPES_CUDA) if shapes == "all" else shapes.split(",")
+    bad = [s for s in shapes if s not in SHAPES]
+    if bad:
+        parser.error(f"expected --model-shape in {sorted(SHAPES)} or 'all', got {','.join(bad)}")
+    defaults = (QUICK_PLAN if args.quick else FULL_PLAN)[device.type]
+    workloads = args.workloads.split(",") if args.workloads else list(defaults)
+    bad = [w for w in workloads if w not in WORKLOADS]
+    if bad:
+        parser.error(f"expected --workloads in {list(WORKLOADS)}, got {','.join(bad)}")
+    try:
+        batches = [int(b) for b in args.batches.split(",")] if args.batches else None
+    except ValueError:
+        parser.error(f"expected --batches to be a comma list of ints, got {args.batches!r}")
+    plan = [(w, b) for w in workloads for b in sorted(set(batches or defaults.get(w) or FULL_PLAN[device.type][w]))]
+    if min(b for _, b in plan) < 1 or args.reps < 1 or args.max_model_len < 256:
+        parser.error(f"expected batches >= 1, --reps >= 1, --max-model-len >= 256; got {batches}, "
+                     f"{args.reps}, {args.max_model_len}")
+    from pagedattn.attention.registry import BackendUnavailableError, get_backend
 
-def _ours(batch: int, device: str) -> dict:
-    import pagedattn
-
-    llm = pagedattn.LLM(device=device, dtype="float32" if device == "cpu" else "auto", enable_prefix_caching=False)
-    prompts = _token_ids(llm.tokenizer, _prompts(batch))
-    warmup = llm.tokenizer(WARMUP_PROMPT)["input_ids"]
-    llm.generate([warmup], pagedattn.SamplingParams(temperature=0.0, max_tokens=4))
-    params = pagedattn.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    runs = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        runs.append(time.perf_counter() - start)
-    return {"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": _median(runs), "runs": runs}
-
-
-def _transformers(batch: int, device: str) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from pagedattn.models.default import default_model_path
-
-    path = default_model_path()
-    folder, name = str(path.parent), path.name
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype).to(device).eval()
-    ids = _token_ids(tok, _prompts(batch))
-    enc = tok.pad({"input_ids": ids}, return_tensors="pt").to(device)  # left padding, attention mask
-    warmup = tok(WARMUP_PROMPT, return_tensors="pt").to(device)
-    kw = dict(max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=tok.pad_token_id)
-    runs = []
-    with torch.inference_mode():
-        model.generate(**warmup, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
-        for _ in range(REPEATS):
-            start = time.perf_counter()
-            out = model.generate(**enc, **kw)
-            runs.append(time.perf_counter() - start)
-    return {"tokens": (out.shape[1] - enc["input_ids"].shape[1]) * batch, "seconds": _median(runs), "runs": runs}
-
-
-def _median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
-
-
-def _child(impl: str, batch: int, device: str, threads: int) -> None:
-    import torch
-
-    torch.set_num_threads(threads)
-    result = (_ours if impl == "pagedattn" else _transformers)(batch, device)
-    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    result["threads"] = torch.get_num_threads()
-    print(json.dumps(result))
-
-
-def run_engine_benchmark(out_path: str | None, device: str = "cpu") -> int:
-    import torch
-
-    threads = torch.get_num_threads()  # torch's default here (the physical cores), for both sides
-    rows = []
-    for batch in BATCHES:
-        for impl in ("pagedattn", "transformers"):
-            proc = subprocess.run(
-                [sys.executable, "-m", "pagedattn.benchmarks.engine", "--device", device,
-                 "--child", impl, str(batch), str(threads)],
-                capture_output=True, text=True, check=False,
-            )
-            if proc.returncode != 0:
-                print(proc.stderr[-3000:], file=sys.stderr)
-                return proc.returncode
-            r = json.loads(proc.stdout.strip().splitlines()[-1])
-            r.update(impl=impl, batch=batch, tokens_per_s=r["tokens"] / r["seconds"])
-            rows.append(r)
-    print(f"{MAX_TOKENS} new tokens per request, greedy, {threads} torch threads on {device}, "
-          f"median of {REPEATS} runs")
-    print(f"{'batch':>5} {'impl':<13} {'tokens/s':>9} {'peak RSS MiB':>13}")
-    for r in rows:
-        print(f"{r['batch']:>5} {r['impl']:<13} {r['tokens_per_s']:>9.1f} {r['peak_rss_mib']:>13.0f}")
-    for batch in BATCHES:
-        ours, theirs = (next(r for r in rows if r["batch"] == batch and r["impl"] == i) for i in ("pagedattn", "transformers"))
-        print(f"batch {batch}: speed {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x, "
-              f"memory {ours['peak_rss_mib'] / theirs['peak_rss_mib']:.2f}x of transformers")
-    if out_path:
-        with open(out_path, "w") as f:
-            json.dump(rows, f, indent=2)
-    return 0
+    try:  # "auto" as LLMEngine resolves it (torch on the CPU), since the model is built with the backend
+        backend = get_backend("torch" if args.backend == "auto" and not cuda else args.backend).get_name()
+    except BackendUnavailableError as e:
+        parser.error(str(e))
+    dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    rate = args.request_rate or (8.0 if cuda else (2.0 if args.quick else 1.0))
+    online = args.online_requests or ((48 if args.quick else 200) if cuda else (8 if args.quick else 16))
+    if rate <= 0 or online < 1:
+        parser.error(f"expected --request-rate > 0 and --online-requests >= 1, got {rate}, {online}")
+    return dict(device=device, shapes=shapes, plan=plan, dtype=dtype,
+                backend=backend, reps=args.reps, max_model_len=args.max_model_len, seed=args.seed,
+                transformers=not args.no_transformers, online=not args.no_online, request_rate=rate,
+                online_requests=online,
+                online_max_tokens=(128 if args.quick else 512) if cuda else (32 if args.quick else 128),
+                decode_steps=(64 if args.quick else 128) if cuda else (8 if args.quick else 32),
+                max_cell_s=args.max_cell_s,
+                max_num_seqs=max(*(b for _, b in plan), DECODE_BATCH), quick=args.quick)
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--out", default=None, help="also write the rows to this JSON file")
-    # one (implementation, batch, threads) measurement, run by run_engine_benchmark in its own process
-    parser.add_argument("--child", nargs=3, metavar=("IMPL", "BATCH", "THREADS"), help=argparse.SUPPRESS)
+    parser = _parser(prog)
     args = parser.parse_args(argv)
-    if args.device.startswith("cuda"):
-        require_cuda(parser.prog)
-    if args.child:
-        impl, batch, threads = args.child
-        _child(impl, int(batch), args.device, int(threads))
-        return 0
-    return run_engine_benchmark(args.out, args.device)
+    settings = _settings(args, parser)
+    from tqdm.auto import tqdm
+
+    from pagedattn.benchmarks import engine_offline as offline
+    from pagedattn.benchmarks import engine_report as report
+
+    device = settings["device"]
+    result = {"environment": report.environment(device),
+              "settings": {k: str(v) if isinstance(v, (torch.device, torch.dtype)) else v for k, v in settings.items()},
+              "sharegpt": dataclasses.asdict(offline.SHAREGPT),
+              "shapes": {}, "offline": []}
+    bandwidth = offline.copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (256 << 20))
+    result["copy_bandwidth_gb_s"] = bandwidth / 1e9
+    plan = settings["plan"]
+    fixed = sum(w in offline.FIXED for w, _ in plan)
+    runs_per_shape = (len(plan) + fixed * settings["transformers"]) * (settings["reps"] + 1) + 2  # + decode, online
+    total = runs_per_shape * len(settings["shapes"])
+    with tqdm(total=total, desc="engine bench", unit="run", dynamic_ncols=True) as bar:
+        for shape in settings["shapes"]:
+            try:
+                result["shapes"][shape] = _bench_shape(shape, settings, bandwidth, result["offline"], bar)
+            except Exception as e:  # noqa: BLE001 - keep the other shapes' results (device time is scarce)
+                traceback.print_exc()
+                result["shapes"][shape] = {"error": f"{type(e).__name__}: {e}", "skipped": []}
+            _free(device)
+    result["environment"]["load_average_after"] = report.load_average()
+    result["targets"] = report.targets(result)
+    paths = report.write(result, args.out)
+    report.print_summary(result)
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 1 if any("error" in v for v in result["shapes"].values()) else 0
+
+
+def _bench_shape(shape: str, s: dict, bandwidth: float, rows: list[dict], bar) -> dict:
+    """Every part of the run for one model shape; offline rows are appended to `rows`."""
+    from pagedattn.benchmarks import engine_offline as offline
+    from pagedattn.benchmarks import engine_online as online
+    from pagedattn.engine.config import EngineConfig
+    from pagedattn.engine.llm_engine import LLMEngine
+    from pagedattn.models.dummy import load_dummy_model, transformers_model
+
+    device, backend = s["device"], s["backend"]
+    bar.set_description(f"{shape}: building")
+    loaded = load_dummy_model(shape, device=device, dtype=s["dtype"], attention_backend=backend,
+                              max_model_len=min(s["max_model_len"], _context(shape)), seed=s["seed"])
+    spec = loaded.spec
+    info = {"backend": backend, "dtype": str(s["dtype"]).removeprefix("torch."), "max_model_len": spec.max_model_len,
+            "parameters": sum(p.numel() for p in loaded.model.parameters()),
+            "weight_bytes_read": offline.weight_bytes_read(loaded.model), "skipped": []}
+    peer = None
+    if s["transformers"]:
+        peer = transformers_model(loaded)  # before the engine: on the CPU it repacks our linears
+        why = offline.TransformersRunner.unavailable_reason(peer)
+        if why:
+            info["skipped"].append(f"transformers: {why}")
+            peer = None
+    engine = LLMEngine(EngineConfig(device=str(device), backend=backend, max_num_seqs=s["max_num_seqs"],
+                                    seed=s["seed"]), loaded)
+    info["num_kv_blocks"] = engine.block_manager.num_blocks
+    ours = {}
+    for workload, batch in s["plan"]:
+        lengths = offline.request_lengths(workload, batch, max_model_len=spec.max_model_len, seed=s["seed"])
+        bar.set_description(f"{shape}: pagedattn {workload} x{batch}")
+        cell = offline.measure(
+            lambda rep: offline.run_ours(engine, offline.make_requests(
+                lengths, vocab_size=spec.vocab_size, seed=s["seed"], rep=rep)),
+            s["reps"], s["max_cell_s"], bar.update)
+        ours[workload, batch] = _row(rows, shape, "pagedattn", backend, s, workload, batch, lengths, cell)
+    bar.set_description(f"{shape}: decode step")
+    info["decode_step"] = offline.decode_step(engine, batch=DECODE_BATCH, prompt_len=DECODE_PROMPT,
+                                              steps=s["decode_steps"], seed=s["seed"],
+                                              weight_bytes=info["weight_bytes_read"], bandwidth=bandwidth)
+    bar.update()
+    if s["online"]:
+        why = online.unavailable_reason()
+        if why:
+            info["skipped"].append(why)
+        else:
+            bar.set_description(f"{shape}: online")
+            lengths = offline.request_lengths("sharegpt", s["online_requests"], max_model_len=spec.max_model_len,
+                                              seed=s["seed"] + 1)
+            lengths = [(i, min(o, s["online_max_tokens"])) for i, o in lengths]
+            requests = offline.make_requests(lengths, vocab_size=spec.vocab_size, seed=s["seed"], rep=-3)
+            info["online"] = online.run_online(engine, shape, requests, rate=s["request_rate"], seed=s["seed"])
+    bar.update()
+    del engine
+    _free(device)
+    if peer is not None:
+        if device.type == "cuda":  # what our engine left behind (the shared weights, no more)
+            info["allocated_gib_before_transformers"] = torch.cuda.memory_allocated(device) / 2**30
+        runner = offline.TransformersRunner(peer)
+        info["transformers"] = runner.description
+        for workload, batch in ((w, b) for w, b in s["plan"] if w in offline.FIXED):
+            lengths = offline.request_lengths(workload, batch, max_model_len=spec.max_model_len, seed=s["seed"])
+            bar.set_description(f"{shape}: transformers {workload} x{batch}")
+            try:
+                cell = offline.measure(
+                    lambda rep: runner.run(offline.make_requests(
+                        lengths, vocab_size=spec.vocab_size, seed=s["seed"], rep=rep)),
+                    s["reps"], s["max_cell_s"], bar.update)
+            except Exception as e:  # noqa: BLE001 - the peer's API moves between versions: report, go on
+                info["skipped"].append(f"transformers {workload} x{batch}: {type(e).__name__}: {e}")
+                continue
+            finally:
+                runner.close()
+            row = _row(rows, shape, "transformers", "generate_batch", s, workload, batch, lengths, cell)
+            ours[workload, batch]["speedup"] = ours[workload, batch]["tokens_per_s"] / row["tokens_per_s"]
+        del runner
+    del peer, loaded
+    _free(device)
+    return info
+
+
+def _row(rows: list[dict], shape, impl, backend, s, workload, batch, lengths, cell) -> dict:
+    row = {"shape": shape, "impl": impl, "backend": backend, "device": str(s["device"]),
+           "dtype": str(s["dtype"]).removeprefix("torch."), "workload": workload, "batch": batch,
+           "mean_input_len": statistics.mean(i for i, _ in lengths),
+           "mean_output_len": statistics.mean(o for _, o in lengths), "reps": len(cell["runs_s"]),
+           "generated_tokens": cell["generated"], "median_s": cell["median_s"], "tokens_per_s": cell["tokens_per_s"],
+           "spread": cell["spread"], "runs_s": cell["runs_s"], "speedup": None, "note": cell["note"]}
+    rows.append(row)
+    return row
+
+
+def _context(shape: str) -> int:
+    from pagedattn.models.dummy import SHAPES
+
+    return SHAPES[shape]["max_position_embeddings"]
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())
