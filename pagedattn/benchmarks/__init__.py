@@ -24,7 +24,8 @@ class Benchmark:
 
 BENCHMARKS = {b.name: b for b in (
     Benchmark("kernels", "pagedattn.benchmarks.kernels",
-              "our Triton paged-attention kernel against FlashInfer on the same data (GPU)"),
+              "kernels and every backend vs FlashInfer and dense SDPA over decode/long/prefill/chunked/"
+              "mixed/graph grids: JSON/CSV/roofline (GPU)"),
     Benchmark("backends", "pagedattn.benchmarks.backends",
               "every registered backend through impl.forward on identical inputs (GPU)"),
     Benchmark("overhead", "pagedattn.benchmarks.overhead",
