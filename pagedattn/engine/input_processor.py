@@ -112,7 +112,13 @@ class InputProcessor:
         return group
 
     def _split(self, prompt) -> tuple[object, object, str | None]:
-        """(encoder prompt or None, decoder prompt or None, error) of a request's prompt."""
+        """(encoder prompt or None, decoder prompt or None, error) of a request's prompt.
+
+        Each prompt, and each side of an encoder-decoder prompt, may also be vLLM's
+        `{"prompt": text}` or `{"prompt_token_ids": ids}` (TextPrompt / TokensPrompt)."""
+        prompt, error = _unwrap(prompt)
+        if error:
+            return None, None, error
         if not self.max_encoder_len:
             if isinstance(prompt, dict):
                 return None, None, (
@@ -125,9 +131,12 @@ class InputProcessor:
         unknown = sorted(set(prompt) - {"encoder_prompt", "decoder_prompt"})
         if unknown:
             return None, None, f"expected prompt keys 'encoder_prompt' and 'decoder_prompt', got {unknown}"
-        if prompt.get("encoder_prompt") is None:
+        (encoder, error), (decoder, error2) = _unwrap(prompt.get("encoder_prompt")), _unwrap(prompt.get("decoder_prompt"))
+        if error or error2:
+            return None, None, error or error2
+        if encoder is None:
             return None, None, "expected an encoder prompt for this encoder-decoder model, got none"
-        return prompt["encoder_prompt"], prompt.get("decoder_prompt"), None
+        return encoder, decoder, None
 
     def _tokenize(self, prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int], str | None]:
         """(text or None, token ids, error) of a text or token-id prompt."""
@@ -211,6 +220,24 @@ class InputProcessor:
             torch.Generator(device=self.device).manual_seed((params.seed + k * _SEED_STRIDE) % 2**64)
             for k in range(params.width)
         ]
+
+
+_SINGLE_KEYS = {"prompt", "prompt_token_ids"}  # vLLM's TextPrompt / TokensPrompt
+
+
+def _unwrap(prompt) -> tuple[object, str | None]:
+    """(the bare text or token ids, error) of `{"prompt": ...}` / `{"prompt_token_ids": ...}`;
+    any other prompt comes back as it is."""
+    if not isinstance(prompt, dict) or not prompt or not set(prompt) <= _SINGLE_KEYS:
+        return prompt, None  # a bare prompt, or an encoder-decoder / audio dict
+    if len(prompt) != 1:
+        return None, f"expected one key, 'prompt' or 'prompt_token_ids', got {sorted(prompt)}"
+    key, value = next(iter(prompt.items()))
+    if key == "prompt" and not isinstance(value, str):
+        return None, f"expected 'prompt' to be a string, got {type(value).__name__}"
+    if key == "prompt_token_ids" and isinstance(value, str):
+        return None, "expected 'prompt_token_ids' to be a list of token ids, got a string"
+    return value, None
 
 
 def _token_id(t) -> int | None:

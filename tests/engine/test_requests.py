@@ -104,6 +104,22 @@ def test_non_integer_token_ids_fail_alone(make_engine):
     assert outputs[5].prompt_token_ids == [5, 6] and type(outputs[5].prompt_token_ids[0]) is int
 
 
+def test_vllm_prompt_dicts(make_engine):
+    """vLLM's TokensPrompt / TextPrompt forms equal the bare prompt; malformed ones fail alone."""
+    engine = make_engine()
+    ids = random_prompts((7,), seed=11)[0]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = [ids, {"prompt_token_ids": ids}, {"prompt_token_ids": ids, "prompt": "x"},
+               {"prompt": ids}, {"prompt_token_ids": "abc"}]
+    outputs = engine.generate(prompts, [params] * len(prompts))
+    assert [o.outputs[0].finish_reason for o in outputs] == ["length", "length", "error", "error", "error"]
+    assert outputs[1].outputs[0].token_ids == outputs[0].outputs[0].token_ids
+    assert outputs[1].prompt_token_ids == ids
+    assert "expected one key, 'prompt' or 'prompt_token_ids'" in outputs[2].error
+    assert "expected 'prompt' to be a string, got list" in outputs[3].error
+    assert "got a string" in outputs[4].error
+
+
 def test_request_larger_than_the_pool_fails_alone(make_engine):
     engine = make_engine(num_kv_blocks=2, block_size=16)  # 32 tokens of KV cache
     prompts = random_prompts((40, 10), seed=8)
