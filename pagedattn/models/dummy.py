@@ -23,9 +23,7 @@ import math
 import torch
 from torch import nn
 
-from pagedattn.layer import attention_impls
-from pagedattn.models import get_model_cls
-from pagedattn.models.layers import STACKED_PARAMS, StackedLinear, head_size_of, layer_sliding_windows
+from pagedattn.models.layers import STACKED_PARAMS, StackedLinear
 
 SHAPES: dict[str, dict] = {
     "smollm2-135m": dict(  # HuggingFaceTB/SmolLM2-135M-Instruct
@@ -93,43 +91,17 @@ def load_dummy_model(
     max_model_len: caps the spec's context (None: the shape's own; larger is refused).
     The same (shape, dtype, device kind, seed) gives the same weights.
     """
-    from pagedattn.models.loader import LoadedModel, ModelSpec
+    from pagedattn.models.loader import LoadedModel, build_model, capped, model_spec
 
     config = dummy_config(shape)
     architecture = config.architectures[0]
     device = torch.device(device)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            net = get_model_cls(architecture)(
-                config, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype)
-    finally:
-        torch.set_default_dtype(default_dtype)
+    net = build_model(architecture, config, device=device, dtype=dtype, attention_backend=attention_backend,
+                      kv_cache_dtype=kv_cache_dtype)
     _randomize(net, torch.Generator(device=device).manual_seed(seed))
-    net.eval().requires_grad_(False)
-    for impl in attention_impls(net):  # backends that plan ahead (FlashInfer) plan from step one
-        impl.set_query_dtype(dtype)
-    context = config.max_position_embeddings
-    if max_model_len is not None and max_model_len > context:
-        raise ValueError(f"expected max_model_len <= the model's context of {context} tokens, got {max_model_len}")
-    windows = layer_sliding_windows(config)
-    spec = ModelSpec(
-        architecture=architecture,
-        num_layers=config.num_hidden_layers,
-        num_heads=config.num_attention_heads,
-        num_kv_heads=config.num_key_value_heads,
-        head_size=head_size_of(config),
-        hidden_size=config.hidden_size,
-        vocab_size=config.vocab_size,
-        max_model_len=max_model_len or context,
-        dtype=dtype,
-        eos_token_ids=frozenset([config.eos_token_id]),
-        sliding_windows=windows,
-        builder_sliding_window=windows[0] if len(set(windows)) == 1 else None,
-        has_chat_template=False,
-    )
-    return LoadedModel(net, synthetic_tokenizer(config.vocab_size, config.eos_token_id), spec)
+    tokenizer = synthetic_tokenizer(config.vocab_size, config.eos_token_id)
+    spec = capped(model_spec(architecture, config, tokenizer, dtype), max_model_len)
+    return LoadedModel(net, tokenizer, spec)
 
 
 @torch.no_grad()

@@ -202,27 +202,42 @@ def load_model(
 
     cls = get_model_cls(architecture)
     dtype = _resolve_dtype(dtype, config, device)
+    net = build_model(architecture, config, device=device, dtype=dtype, attention_backend=attention_backend,
+                      kv_cache_dtype=kv_cache_dtype)
+    net.load_weights(weights)
+    spec = capped(model_spec(architecture, config, tokenizer, dtype, extra_eos), max_model_len)
+    audio_input = getattr(cls, "audio_input", None)  # audio encoders: features from the folder's preprocessor config
+    audio = audio_input(config, folder) if audio_input is not None else None
+    return LoadedModel(net, tokenizer, spec, audio)
+
+
+def build_model(architecture: str, config, *, device: torch.device, dtype: torch.dtype, attention_backend: str,
+                kv_cache_dtype: str) -> nn.Module:
+    """Our model of `architecture` made on `device` in `dtype` (weights uninitialised), in eval
+    mode, its attention layers told their query dtype."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            net = cls(config, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype)
+            net = get_model_cls(architecture)(config, attention_backend=attention_backend,
+                                              kv_cache_dtype=kv_cache_dtype)
     finally:
         torch.set_default_dtype(default_dtype)
-    net.load_weights(weights)
     net.eval().requires_grad_(False)
     for impl in attention_impls(net):  # backends that plan ahead (FlashInfer) plan from step one
         impl.set_query_dtype(dtype)
-    spec = _spec(architecture, config, tokenizer, dtype, extra_eos, cls)
-    audio_input = getattr(cls, "audio_input", None)  # audio encoders: features from the folder's preprocessor config
-    audio = audio_input(config, folder) if audio_input is not None else None
-    if max_model_len is not None:
-        if max_model_len > spec.max_model_len:
-            raise ValueError(
-                f"expected max_model_len <= the model's context of {spec.max_model_len} tokens, got {max_model_len}"
-            )
-        spec = dataclasses.replace(spec, max_model_len=max_model_len)
-    return LoadedModel(net, tokenizer, spec, audio)
+    return net
+
+
+def capped(spec: ModelSpec, max_model_len: int | None) -> ModelSpec:
+    """`spec` with its context cut to `max_model_len` (None: as it is; longer is refused)."""
+    if max_model_len is None:
+        return spec
+    if max_model_len > spec.max_model_len:
+        raise ValueError(
+            f"expected max_model_len <= the model's context of {spec.max_model_len} tokens, got {max_model_len}"
+        )
+    return dataclasses.replace(spec, max_model_len=max_model_len)
 
 
 def _gguf_tokenizer(path: Path):
@@ -291,7 +306,7 @@ def _hf_architecture(config) -> str:
     )
 
 
-def _spec(architecture: str, config, tokenizer, dtype: torch.dtype, extra_eos, cls: type) -> ModelSpec:
+def model_spec(architecture: str, config, tokenizer, dtype: torch.dtype, extra_eos=()) -> ModelSpec:
     """The spec: the geometry from the model class's `spec_fields(config)` (a dict of ModelSpec
     fields, for families whose config names differ: encoder-decoder), else as decoder-only
     configs name things."""
@@ -306,7 +321,7 @@ def _spec(architecture: str, config, tokenizer, dtype: torch.dtype, extra_eos, c
         eos_token_ids=frozenset(eos),
         has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
     )
-    spec_fields = getattr(cls, "spec_fields", None)
+    spec_fields = getattr(get_model_cls(architecture), "spec_fields", None)
     if spec_fields is not None:
         return ModelSpec(**common, **spec_fields(config))
     windows = layer_sliding_windows(config)
