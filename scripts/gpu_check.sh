@@ -54,11 +54,15 @@ for s in $suites; do
     fi-bg)  # the build in the background (a new session outlives this call on a warm machine)
       setsid nohup python scripts/fi_jit.py build --record fi_jit_record.tsv --seconds "${FI_BG_SECONDS:-1500}" --jobs "${FI_JOBS:-12}" \
         > "$LOGS/fi-build.log" 2>&1 < /dev/null &
+      echo $! > /tmp/fi-bg.pid
       echo "fi-bg started pid $!" | tee -a "$summary" ;;
+    fi-stop)  # by its pid: `pkill -f` would match the calling shell, whose command line names it
+      kill -- -"$(cat /tmp/fi-bg.pid)" 2>/dev/null; echo "fi-stop: $(tail -1 "$LOGS/fi-build.log" | cut -c1-120)" \
+        | tee -a "$summary" ;;
     fi-wait)  # until the background build ends, at most FI_WAIT seconds
       end=$((SECONDS + ${FI_WAIT:-300}))
-      while pgrep -f "fi_jit.py build" > /dev/null && [ $SECONDS -lt $end ]; do sleep 5; done
-      echo "fi-wait: $(pgrep -f 'fi_jit.py build' > /dev/null && echo still building || echo done) after $SECONDS s;" \
+      while kill -0 "$(cat /tmp/fi-bg.pid)" 2>/dev/null && [ $SECONDS -lt $end ]; do sleep 5; done
+      echo "fi-wait: $(kill -0 "$(cat /tmp/fi-bg.pid)" 2>/dev/null && echo still building || echo done) after $SECONDS s;" \
         "$(tail -1 "$LOGS/fi-build.log")" | tee -a "$summary" ;;
     fa4)  # FA4 carried in parts (.fa4a in one call, .fa4b in the next: see README), then the probe
       mkdir -p /tmp/fa4parts && cp .fa4a/* .fa4b/* /tmp/fa4parts/ 2>/dev/null
