@@ -87,7 +87,10 @@ def installed(name: str) -> bool:
     """Whether provider `name`'s module is on the path, importing nothing (a package's
     `__init__` may load CUDA libraries)."""
     top, _, rest = MODULES[name].partition(".")
-    spec = importlib.util.find_spec(top)
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):  # a None in sys.modules: its import is blocked
+        return False
     if spec is None or not rest:
         return spec is not None
     sub = rest.replace(".", os.sep)
