@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pagedattn.backends import flash_attn_providers as providers
-from test_flash_attn_interface import (HEADS, SOFT_CAPS, VARIANTS,  # noqa: E402
+from test_flash_attn_interface import (HEADS, SOFT_CAPS, VARIANTS,
                                        check_kvcache_paged, check_varlen_contiguous,
                                        check_varlen_paged)
 
