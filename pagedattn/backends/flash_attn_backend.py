@@ -13,33 +13,55 @@ shared forward:
 Sliding window W is FlashAttention's `window_size=(W - 1, 0)`; FP8 caches pass their scales
 as `k_descale`/`v_descale` (vLLM's FlashAttention fork names them so).
 
-Provider: `pagedattn.flash_attn_interface` (FlashAttention's API on our Triton kernels), on
-every machine our kernels run on. Dao-AILab's `flash_attn` (FA2/FA3/FA4) is not used yet:
-its wheels do not match this project's torch/CUDA, and its paged and FP8 limits differ per
-version; `provider()` and `pagedattn info` say so.
+Provider (`flash_attn_providers`): Dao-AILab's flash_attn (FA3, FA4 or FA2) where one imports
+and runs on the device, else `pagedattn.flash_attn_interface` (our Triton kernels, every device
+they run on); PAGEDATTN_FLASH_ATTN_PROVIDER=ours|fa4|fa3|fa2 pins one. `capabilities` are the
+provider's for this machine's device (CUDA when present), so a layer that provider cannot run
+(FA4: float32, an FP8 cache, ALiBi, head sizes it does not build) is refused at construction
+with the reason; builders and graph states refuse block sizes it does not take (FA2: multiples
+of 256). Tensors on another device (CPU tensors on a CUDA machine) run on that device's
+provider. `provider()`, `pagedattn info` and one INFO log line say which runs and why not the
+others.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
+
+import torch
 
 from pagedattn.attention.backend import AttentionBackend, Capabilities
 from pagedattn.attention.builder import MetadataBuilder
 from pagedattn.attention.impl import AttendCall, AttentionImpl, Source
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.state import AttentionState
+from pagedattn.backends import flash_attn_providers as providers
 from pagedattn.backends import triton_backend
 
 logger = logging.getLogger(__name__)
 
 
 def unavailable_reasons() -> list[str]:
-    return triton_backend.unavailable_reasons()  # the provider is our Triton kernels
+    reasons = triton_backend.unavailable_reasons()  # our kernels run wherever Dao-AILab's do not
+    if os.environ.get(providers.ENV_VAR):  # a pinned provider must run (unpinned, none is loaded here)
+        choice = providers.choose(providers.machine_device_type())
+        if choice.provider is None:
+            reasons.append(choice.describe())
+    return reasons
+
+
+class _ProviderCapabilities:
+    """The capabilities of this machine's provider, found when first read (finding it may import
+    and run a flash_attn), not when the module is imported."""
+
+    def __get__(self, obj, owner) -> Capabilities:
+        return providers.require(providers.machine_device_type()).capabilities
 
 
 class FlashAttnBackend(AttentionBackend):
-    capabilities = triton_backend.TritonBackend.capabilities  # the provider's: our kernels
+    capabilities = _ProviderCapabilities()
 
     @staticmethod
     def get_name() -> str:
@@ -47,7 +69,7 @@ class FlashAttnBackend(AttentionBackend):
 
     @classmethod
     def provider(cls) -> str:
-        return "pagedattn.flash_attn_interface (our Triton kernels; Dao-AILab flash_attn not used yet)"
+        return providers.choose(providers.machine_device_type()).describe()
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
@@ -70,12 +92,28 @@ class FlashAttnBackend(AttentionBackend):
         triton_backend.TritonBackend.copy_blocks(kv_caches, src_to_dists)
 
 
+def _check_block_size(block_size: int, device) -> None:
+    provider = providers.require(torch.device(device).type)
+    if block_size % provider.block_size_multiple:
+        raise NotImplementedError(
+            f"the 'flash_attn' backend's provider {provider.label} expects a block size that is a multiple of "
+            f"{provider.block_size_multiple}, got {block_size} (pin {providers.ENV_VAR}=ours to run any block size)")
+
+
 class FlashAttnMetadataBuilder(MetadataBuilder):
     backend = FlashAttnBackend
+
+    def __init__(self, block_size: int, device, *, sliding_window: int | None = None):
+        super().__init__(block_size, device, sliding_window=sliding_window)
+        _check_block_size(block_size, self.device)
 
 
 class FlashAttnState(AttentionState):
     backend = FlashAttnBackend
+
+    def __init__(self, max_batch_size: int, max_blocks_per_seq: int, block_size: int, device):
+        super().__init__(max_batch_size, max_blocks_per_seq, block_size, device)
+        _check_block_size(block_size, device)
 
 
 class FlashAttnImpl(AttentionImpl):
@@ -85,6 +123,16 @@ class FlashAttnImpl(AttentionImpl):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         _log_provider()
+
+    def _check_capabilities(self, caps) -> None:
+        try:
+            super()._check_capabilities(caps)
+        except NotImplementedError as e:
+            provider = providers.require(providers.machine_device_type())
+            if provider.name == "ours":
+                raise
+            raise NotImplementedError(f"{e}; its provider here is {provider.label}: {provider.limits} "
+                                      f"(pin {providers.ENV_VAR}=ours to run it on our kernels)") from None
 
     def _store(self, k, v, k_cache, v_cache, slots, scales, md, cross) -> None:
         from pagedattn.kernels import store_kv
@@ -101,8 +149,7 @@ class FlashAttnImpl(AttentionImpl):
         return options
 
     def _attend(self, q, out, call: AttendCall, kv_cache, scales) -> None:
-        from pagedattn import flash_attn_interface as fa
-
+        fa = providers.require(q.device.type).api
         md = call.md
         options = self._options(call.causal, scales, q.device)
         if call.source is Source.STEP:
@@ -126,4 +173,5 @@ class FlashAttnImpl(AttentionImpl):
 
 @functools.cache
 def _log_provider() -> None:
-    logger.info("flash_attn backend: provider %s", FlashAttnBackend.provider())
+    logger.info("flash_attn backend: provider %s; CUDA graphs: %s", FlashAttnBackend.provider(),
+                providers.require(providers.machine_device_type()).cuda_graphs)
