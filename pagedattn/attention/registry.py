@@ -71,6 +71,16 @@ def _load(name: str) -> type[AttentionBackend]:
     return getattr(importlib.import_module(entry.module), entry.cls)
 
 
+PROVIDER_ENV_VARS = {"flash_attn": "PAGEDATTN_FLASH_ATTN_PROVIDER"}  # backends with a choice of provider
+
+
+def pinned_provider(backend_name: str) -> str | None:
+    """The provider the environment pins for `backend_name` (lower case), or None. The registry
+    is the one reader of the environment for backends (STYLE.md)."""
+    var = PROVIDER_ENV_VARS.get(backend_name)
+    return (os.environ.get(var, "").strip().lower() or None) if var else None
+
+
 def _unavailable(name: str, reasons: list[str]) -> BackendUnavailableError:
     valid = ", ".join(["auto", *_REGISTRY])
     why = "; ".join(reasons)

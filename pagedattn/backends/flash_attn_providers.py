@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedattn.attention import registry
 from pagedattn.attention.backend import Capabilities
 
-ENV_VAR = "PAGEDATTN_FLASH_ATTN_PROVIDER"
+ENV_VAR = registry.PROVIDER_ENV_VARS["flash_attn"]  # read by the registry (pinned_provider)
 DAO_ORDER = ("fa3", "fa4", "fa2")  # tried in this order; "ours" when none runs
 MODULES = {"fa3": "flash_attn_interface", "fa4": "flash_attn.cute", "fa2": "flash_attn.flash_attn_interface"}
 DISTRIBUTIONS = {"fa3": ("flash_attn_3", "flash-attn-3"), "fa4": ("flash-attn-4",), "fa2": ("flash-attn", "flash_attn")}
@@ -102,7 +103,7 @@ def installed(name: str) -> bool:
 def choose(device_type: str) -> Choice:
     """The provider for tensors on `device_type` (cached): the pinned one, else the first of
     DAO_ORDER that runs, else ours. Never raises; a bad pin is in the Choice."""
-    pin = os.environ.get(ENV_VAR, "").strip().lower() or None
+    pin = registry.pinned_provider("flash_attn")
     if pin is not None and pin not in ("ours", *DAO_ORDER):
         return Choice(None, {"pin": f"expected one of ours, {', '.join(DAO_ORDER)}, got {pin!r}"}, pin)
     names = DAO_ORDER if pin in (None, "ours") else (pin,)
