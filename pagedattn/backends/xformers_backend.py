@@ -18,10 +18,13 @@ a step (`split_parts`) to `_attend`, which runs it on one of two providers:
 
 xFormers' operators run on CUDA only; on a CPU every part runs on our kernels (Triton,
 interpreted). `provider()`, `pagedattn info` and one INFO log line say which runs here and why.
-NOT TESTED YET: no machine of the session that wrote this ran an xFormers operator (the CPU has
-none, the GPU machine was not used), so the operator path (`_attend_xformers`) awaits a GPU
-run of tests/backend with `--backend xformers --device cuda`; tests/backend_xformers checks its biases
-on the CPU against xFormers' own `materialize()` and the dense oracle.
+Each operator is run once on a tiny case (`smoke_test`) before any part goes to it: on the
+H100 (xFormers 0.0.35, torch 2.11 + CUDA 13) the C++ extension does not load (it needs
+libcudart.so.12), and the two operators that do load (`cutlassF-pt`, `triton_splitKF`) refused
+that case, so the backend suite passed there with every part on our kernels. NOT TESTED YET:
+the operator path (`_attend_xformers`) on a GPU where an operator runs;
+tests/backend_xformers checks its biases on the CPU against xFormers' own `materialize()` and
+the dense oracle.
 
 A logit soft cap (which the seeds' backend refused: `memory_efficient_attention` has none) runs
 every part on our kernels, so the backend computes the same attention whatever the provider.
