@@ -25,7 +25,7 @@ from torch import nn
 
 from pagedattn.attention.types import AttentionType
 from pagedattn.layer import Attention
-from pagedattn.models.layers import StackedLinear, load_weights
+from pagedattn.models.layers import StackedLinear, encoder_decoder_spec_fields, load_weights
 
 POSITION_OFFSET = 2
 """BART's learned position tables start at index 2 (fairseq reserved 0 and 1 for padding)."""
@@ -226,20 +226,7 @@ class BartForConditionalGeneration(nn.Module):
     @staticmethod
     def spec_fields(config) -> dict:
         """ModelSpec fields in BART's config names (the loader's defaults read decoder-only names)."""
-        heads = config.decoder_attention_heads
-        return dict(
-            num_layers=config.decoder_layers,
-            num_heads=heads,
-            num_kv_heads=heads,
-            head_size=config.d_model // heads,
-            hidden_size=config.d_model,
-            max_model_len=config.max_position_embeddings,
-            sliding_windows=(None,) * config.decoder_layers,
-            builder_sliding_window=None,
-            num_cross_layers=config.decoder_layers,
-            max_encoder_len=config.max_position_embeddings,
-            decoder_start_token_id=config.decoder_start_token_id,
-        )
+        return encoder_decoder_spec_fields(config, max_model_len=config.max_position_embeddings, max_encoder_len=config.max_position_embeddings)
 
     def forward(
         self,

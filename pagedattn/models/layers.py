@@ -289,3 +289,23 @@ def _load_kv_scale(model: nn.Module, ckpt_name: str, tensor: torch.Tensor) -> bo
         attn.set_kv_scales(**{f"{w}_scale": tensor for w in which})
         return True
     return False
+
+
+def encoder_decoder_spec_fields(config, *, max_model_len: int, max_encoder_len: int) -> dict:
+    """ModelSpec fields of an encoder-decoder whose config names its geometry BART's way
+    (`decoder_layers`, `decoder_attention_heads`, `d_model`): the decoder's geometry, one cross
+    layer per decoder layer, no sliding windows."""
+    heads = config.decoder_attention_heads
+    return dict(
+        num_layers=config.decoder_layers,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_size=config.d_model // heads,
+        hidden_size=config.d_model,
+        max_model_len=max_model_len,
+        sliding_windows=(None,) * config.decoder_layers,
+        builder_sliding_window=None,
+        num_cross_layers=config.decoder_layers,
+        max_encoder_len=max_encoder_len,
+        decoder_start_token_id=config.decoder_start_token_id,
+    )

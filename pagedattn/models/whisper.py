@@ -30,7 +30,7 @@ from torch import nn
 from pagedattn.attention.types import AttentionType
 from pagedattn.layer import Attention
 from pagedattn.models.bart import ACTIVATIONS
-from pagedattn.models.layers import StackedLinear, load_weights
+from pagedattn.models.layers import StackedLinear, encoder_decoder_spec_fields, load_weights
 
 CONV_STRIDE = 2
 """Frames per encoder position: conv1 has stride 1, conv2 stride 2."""
@@ -317,20 +317,7 @@ class WhisperForConditionalGeneration(nn.Module):
     def spec_fields(config) -> dict:
         """ModelSpec fields in Whisper's config names: the decoder's geometry, the encoder's
         positions as its maximum length."""
-        heads = config.decoder_attention_heads
-        return dict(
-            num_layers=config.decoder_layers,
-            num_heads=heads,
-            num_kv_heads=heads,
-            head_size=config.d_model // heads,
-            hidden_size=config.d_model,
-            max_model_len=config.max_target_positions,
-            sliding_windows=(None,) * config.decoder_layers,
-            builder_sliding_window=None,
-            num_cross_layers=config.decoder_layers,
-            max_encoder_len=config.max_source_positions,
-            decoder_start_token_id=config.decoder_start_token_id,
-        )
+        return encoder_decoder_spec_fields(config, max_model_len=config.max_target_positions, max_encoder_len=config.max_source_positions)
 
     @staticmethod
     def audio_input(config, folder: Path | None) -> LogMelInput:

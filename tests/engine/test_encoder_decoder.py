@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from schedule_counter import count_schedule
 from tiny_models import TINY_BART_CONFIG, tiny_bart
 
 from pagedattn.engine.sampling_params import SamplingParams
@@ -92,24 +93,6 @@ def _greedy(engine, prompts, max_tokens=MAX_TOKENS):
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def _count(engine) -> dict[str, int]:
-    """Count preemptions, cross swaps and encoder tokens run, step by step."""
-    counts = {"preempted": 0, "cross_swap_out": 0, "cross_swap_in": 0, "encoder_tokens": 0}
-    schedule = engine.scheduler.schedule
-
-    def counting():
-        out = schedule()
-        counts["preempted"] += len(out.preempted)
-        counts["cross_swap_out"] += len(out.cross_swap_out)
-        counts["cross_swap_in"] += len(out.cross_swap_in)
-        counts["encoder_tokens"] += sum(c.num_encoder_tokens for c in out.chunks)
-        assert out.num_batched_tokens <= engine.runner.max_num_batched_tokens
-        return out
-
-    engine.scheduler.schedule = counting
-    return counts
-
-
 CONFIGS = {
     "default": {},
     "no_prefix_caching": dict(enable_prefix_caching=False),
@@ -124,7 +107,7 @@ CONFIGS = {
 @pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
 def test_greedy_matches_transformers(make_bart_engine, greedy_refs, config):
     engine = make_bart_engine(**CONFIGS[config])
-    counts = _count(engine)
+    counts = count_schedule(engine)
     assert _greedy(engine, _prompts()) == greedy_refs
     encoder_lens = [len(p["encoder_prompt"] if isinstance(p, dict) else p) for p in _prompts()]
     assert counts["encoder_tokens"] == sum(encoder_lens)  # once per request
@@ -137,7 +120,7 @@ def test_preemption(make_bart_engine, bart, mode):
     prompts = random_prompts((3, 6, 4, 5), seed=9)
     refs = [_hf_generate(bart[1], p, 24) for p in prompts]
     engine = make_bart_engine(num_kv_blocks=10, preemption_mode=mode, swap_space_gib=0.01)
-    counts = _count(engine)
+    counts = count_schedule(engine)
     assert _greedy(engine, prompts, max_tokens=24) == refs
     assert counts["preempted"] > 0
     if mode == "swap":  # swapped cross K/V come back: each encoder runs once
@@ -164,7 +147,7 @@ def test_prefix_cache_keys_on_the_encoder_prompt(make_bart_engine, greedy_refs):
     other = Sequence(-2, list(same.token_ids), 4, tuple(prompts[3]["encoder_prompt"]))
     assert len(engine.block_manager.prefix_hits(same)) == 2  # 10 tokens: 2 blocks, 2 tokens left
     assert engine.block_manager.prefix_hits(other) == []
-    counts = _count(engine)
+    counts = count_schedule(engine)
     assert _greedy(engine, [prompts[6], prompts[3]]) == [greedy_refs[6], greedy_refs[3]]
     assert counts["encoder_tokens"] == len(prompts[6]["encoder_prompt"]) + len(prompts[3]["encoder_prompt"])
 

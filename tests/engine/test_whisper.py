@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from schedule_counter import count_schedule
 from tiny_models import TINY_WHISPER_CONFIG, tiny_bart, tiny_whisper, whisper_encoder_reference
 
 from pagedattn.engine.sampling_params import SamplingParams
@@ -132,24 +133,6 @@ def _encoder_len(prompt: dict, whisper_folder) -> int:
     return encoder_len(_reference_input(whisper_folder, prompt["encoder_prompt"]).shape[1])
 
 
-def _count(engine) -> dict[str, int]:
-    """Count preemptions, cross swaps and encoder positions run, step by step."""
-    counts = {"preempted": 0, "cross_swap_out": 0, "cross_swap_in": 0, "encoder_tokens": 0}
-    schedule = engine.scheduler.schedule
-
-    def counting():
-        out = schedule()
-        counts["preempted"] += len(out.preempted)
-        counts["cross_swap_out"] += len(out.cross_swap_out)
-        counts["cross_swap_in"] += len(out.cross_swap_in)
-        counts["encoder_tokens"] += sum(c.num_encoder_tokens for c in out.chunks)
-        assert out.num_batched_tokens <= engine.runner.max_num_batched_tokens
-        return out
-
-    engine.scheduler.schedule = counting
-    return counts
-
-
 CONFIGS = {
     "default": {},
     "no_prefix_caching": dict(enable_prefix_caching=False),
@@ -164,7 +147,7 @@ CONFIGS = {
 @pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
 def test_greedy_matches_transformers(make_whisper_engine, whisper, greedy_refs, config):
     engine = make_whisper_engine(**CONFIGS[config])
-    counts = _count(engine)
+    counts = count_schedule(engine)
     assert _greedy(engine, _prompts()) == greedy_refs
     assert counts["encoder_tokens"] == sum(_encoder_len(p, whisper[0]) for p in _prompts())  # once per request
     assert engine.block_manager.num_free_cross_blocks == engine.runner.num_cross_blocks  # all freed
@@ -177,7 +160,7 @@ def test_preemption(make_whisper_engine, whisper, mode):
     prompts = [{"encoder_prompt": {"input_features": _features(n, 9 + n)}} for n in (6, 12, 8, 10)]
     refs = [_hf_generate(whisper, p, 24) for p in prompts]
     engine = make_whisper_engine(num_kv_blocks=10, preemption_mode=mode, swap_space_gib=0.01)
-    counts = _count(engine)
+    counts = count_schedule(engine)
     assert _greedy(engine, prompts, max_tokens=24) == refs
     assert counts["preempted"] > 0
     encoder_tokens = sum(_encoder_len(p, whisper[0]) for p in prompts)
@@ -218,7 +201,7 @@ def test_prefix_cache_keys_on_the_features(make_whisper_engine, greedy_refs):
     nudged = prompts[1]["encoder_prompt"]["input_features"].clone()
     nudged[7, 9] += 1e-3
     assert engine.block_manager.prefix_hits(seq(nudged)) == []
-    counts = _count(engine)
+    counts = count_schedule(engine)
     assert _greedy(engine, [prompts[7], prompts[3]]) == [greedy_refs[7], greedy_refs[3]]
     assert counts["encoder_tokens"] == 2 * encoder_len(WINDOW)  # a hit still runs the encoder
 
