@@ -159,9 +159,9 @@ class LLMEngine:
         """Schedule, run and sample one step; outputs of every request that advanced or finished."""
         finished, self._rejected = self._rejected, []
         out = self.scheduler.schedule()
-        finished += out.errored
+        finished += out.ended
         self.output_processor.process(out, self.runner.execute(out))
-        if not (out.chunks or out.preempted or out.errored) and self.scheduler.has_unfinished():
+        if not (out.chunks or out.preempted or out.ended) and self.scheduler.has_unfinished():
             finished.append(self.scheduler.abort_unschedulable())
         self.scheduler.remove_finished()
         if self.check_integrity:

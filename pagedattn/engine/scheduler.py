@@ -82,7 +82,9 @@ class SchedulerOutput:
     cross_swap_in: list[tuple[int, int]] = field(default_factory=list)  # cross pool (CPU block, GPU block)
     num_steps: int = 1  # decode steps to run back to back (multi-step); 1 unless decode-only
     preempted: list[SequenceGroup] = field(default_factory=list)
-    errored: list[SequenceGroup] = field(default_factory=list)
+    # Groups the scheduler finished itself: bad or oversized requests ("error"), and a lone
+    # request that outgrew the pool after generating ("length": it keeps its tokens).
+    ended: list[SequenceGroup] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -222,8 +224,11 @@ class Scheduler:
                     self._preempt(victim, out)
                     continue
                 if not self.running:  # alone and stuck: no preemption can make room
-                    self.abort(group, self._too_big_message(group))
-                    out.errored.append(group)
+                    if all(s.output_token_ids for s in group.live_seqs):
+                        self._finish_group(group, "length")  # the pool ends its context: keep its tokens
+                    else:
+                        self.abort(group, self._too_big_message(group))
+                    out.ended.append(group)
                 else:
                     self._preempt(group, out)
                 group = None
@@ -259,7 +264,7 @@ class Scheduler:
             seqs = group.live_seqs
             if self._min_blocks(group) > self.bm.num_blocks or self._cross_blocks(group) > self.bm.cross.num_blocks:
                 self.abort(group, self._too_big_message(group))
-                out.errored.append(group)
+                out.ended.append(group)
                 continue
             running_seqs = sum(len(g.live_seqs) for g in self.running)
             if running_seqs + len(seqs) > self.max_num_seqs:

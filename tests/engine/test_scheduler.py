@@ -108,7 +108,7 @@ def test_prompt_bigger_than_the_pool_is_an_error():
     s = make(num_blocks=4, block_size=4, tokens=64)
     big, small = add(s, 20), add(s, 5, 100)
     out = step(s)
-    assert out.errored == [big] and big.error and big.is_finished
+    assert out.ended == [big] and big.error and big.is_finished
     assert [g for g, _, _ in plan(out)] == [small.request_id]
 
 
