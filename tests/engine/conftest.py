@@ -79,18 +79,23 @@ def loaded_eos(tiny_eos, device, backend_name):
     return load_model(tiny_eos.folder, dtype=torch.float32, device=device, attention_backend=backend_name)
 
 
-@pytest.fixture
-def make_engine(loaded, device, backend_name):
-    """`make_engine(**EngineConfig fields)` over the shared tiny model, checking block
-    integrity after every step."""
+def engine_factory(default_loaded, device, backend_name, **defaults):
+    """`make(model_loaded=None, **EngineConfig fields)`: an engine over `model_loaded` (else
+    `default_loaded`) with these defaults, checking block integrity after every step."""
     from pagedattn.engine.config import EngineConfig
     from pagedattn.engine.llm_engine import LLMEngine
 
     def make(model_loaded=None, **kwargs):
-        kwargs = {"num_kv_blocks": 64, "device": str(device), "backend": backend_name, **kwargs}
-        return LLMEngine(EngineConfig(**kwargs), model_loaded or loaded, check_integrity=True)
+        kwargs = {"num_kv_blocks": 64, "device": str(device), "backend": backend_name, **defaults, **kwargs}
+        return LLMEngine(EngineConfig(**kwargs), model_loaded or default_loaded, check_integrity=True)
 
     return make
+
+
+@pytest.fixture
+def make_engine(loaded, device, backend_name):
+    """`make_engine(**EngineConfig fields)` over the shared tiny model."""
+    return engine_factory(loaded, device, backend_name)
 
 
 def random_prompts(lengths, seed=0) -> list[list[int]]:

@@ -17,7 +17,7 @@ from tiny_models import TINY_BART_CONFIG, tiny_bart
 from pagedattn.engine.sampling_params import SamplingParams
 from pagedattn.engine.sequence import Sequence
 
-from .conftest import random_prompts
+from .conftest import engine_factory, random_prompts
 
 START = TINY_BART_CONFIG["decoder_start_token_id"]
 MAX_LEN = TINY_BART_CONFIG["max_position_embeddings"]
@@ -39,14 +39,7 @@ def bart_loaded(bart, device, backend_name):
 
 @pytest.fixture
 def make_bart_engine(bart_loaded, device, backend_name):
-    from pagedattn.engine.config import EngineConfig
-    from pagedattn.engine.llm_engine import LLMEngine
-
-    def make(**kwargs):
-        kwargs = {"num_kv_blocks": 64, "block_size": 4, "device": str(device), "backend": backend_name, **kwargs}
-        return LLMEngine(EngineConfig(**kwargs), bart_loaded, check_integrity=True)
-
-    return make
+    return engine_factory(bart_loaded, device, backend_name, block_size=4)
 
 
 def _prompts() -> list:

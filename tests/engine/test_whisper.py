@@ -21,6 +21,8 @@ from pagedattn.engine.sampling_params import SamplingParams
 from pagedattn.engine.sequence import EncoderFeatures, Sequence
 from pagedattn.models.whisper import encoder_len
 
+from .conftest import engine_factory
+
 START = TINY_WHISPER_CONFIG["decoder_start_token_id"]
 MELS = TINY_WHISPER_CONFIG["num_mel_bins"]
 WINDOW = 2 * TINY_WHISPER_CONFIG["max_source_positions"]  # frames: 1 s at 16 kHz
@@ -42,14 +44,7 @@ def whisper_loaded(whisper, device, backend_name):
 
 @pytest.fixture
 def make_whisper_engine(whisper_loaded, device, backend_name):
-    from pagedattn.engine.config import EngineConfig
-    from pagedattn.engine.llm_engine import LLMEngine
-
-    def make(**kwargs):
-        kwargs = {"num_kv_blocks": 64, "block_size": 4, "device": str(device), "backend": backend_name, **kwargs}
-        return LLMEngine(EngineConfig(**kwargs), whisper_loaded, check_integrity=True)
-
-    return make
+    return engine_factory(whisper_loaded, device, backend_name, block_size=4)
 
 
 def _features(frames: int, seed: int) -> torch.Tensor:
