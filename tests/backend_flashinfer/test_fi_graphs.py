@@ -25,16 +25,26 @@ def _random_seqs(g, n, num_blocks, lookahead=0):
     return seqs
 
 
+def _setup(fi, cuda, g, hq, hkv, d, dtype):
+    """(num_blocks, a random cache, impl, graph state, builder) of one graph test."""
+    num_blocks = MAX_BATCH * MAX_BLOCKS + 8
+    kv_cache = torch.randn(fi.get_kv_cache_shape(num_blocks, BLOCK_SIZE, hkv, d), generator=g).to(dtype).to(cuda)
+    impl = fi.get_impl_cls()(hq, d, 0.1, hkv)
+    state = fi.get_state_cls()(MAX_BATCH, MAX_BLOCKS, BLOCK_SIZE, cuda)
+    return num_blocks, kv_cache, impl, state, fi.get_builder_cls()(BLOCK_SIZE, cuda)
+
+
+def _step_qkv(g, real, hq, hkv, d, dtype, cuda):
+    """A decode step's q [real, hq, d] and k, v [real, hkv, d]."""
+    return tuple(torch.randn(real, h, d, generator=g).to(dtype).to(cuda) for h in (hq, hkv, hkv))
+
+
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=["gqa4_tensor_cores", "mha_cuda_cores"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_graph_replay_with_new_lengths_equals_eager(fi, cuda, heads, dtype):
     hq, hkv, d = *heads, 128
     g = torch.Generator().manual_seed(0)
-    num_blocks = MAX_BATCH * MAX_BLOCKS + 8
-    kv_cache = torch.randn(fi.get_kv_cache_shape(num_blocks, BLOCK_SIZE, hkv, d), generator=g).to(dtype).to(cuda)
-    impl = fi.get_impl_cls()(hq, d, 0.1, hkv)
-    state = fi.get_state_cls()(MAX_BATCH, MAX_BLOCKS, BLOCK_SIZE, cuda)
-    builder = fi.get_builder_cls()(BLOCK_SIZE, cuda)
+    num_blocks, kv_cache, impl, state, builder = _setup(fi, cuda, g, hq, hkv, d, dtype)
     with state.graph_capture(MAX_BATCH):
         graphs = {b: DecodeGraph(state, impl, kv_cache, b, num_heads=hq, num_kv_heads=hkv,
                                  head_size=d, dtype=dtype) for b in (32, 8, 1)}
@@ -42,9 +52,7 @@ def test_graph_replay_with_new_lengths_equals_eager(fi, cuda, heads, dtype):
         for real in sorted({b, max(1, b - 3)}):
             for _ in range(2):  # replays with different lengths and tables
                 seqs = _random_seqs(g, real, num_blocks)
-                q = torch.randn(real, hq, d, generator=g).to(dtype).to(cuda)
-                k = torch.randn(real, hkv, d, generator=g).to(dtype).to(cuda)
-                v = torch.randn(real, hkv, d, generator=g).to(dtype).to(cuda)
+                q, k, v = _step_qkv(g, real, hq, hkv, d, dtype, cuda)
                 eager_cache = kv_cache.clone()
                 eager = impl.forward(q, k, v, eager_cache, builder.build(seqs))
                 out = graph.replay(builder.build(seqs, cuda_graph_pad_to=b), q, k, v)
@@ -57,11 +65,7 @@ def test_graph_replay_after_advance_step(fi, cuda):
     """Multi-step decoding: advance the real metadata on the device, re-plan, replay."""
     hq, hkv, d, dtype, b, real = 8, 2, 128, torch.bfloat16, 8, 6
     g = torch.Generator().manual_seed(1)
-    num_blocks = MAX_BATCH * MAX_BLOCKS + 8
-    kv_cache = torch.randn(fi.get_kv_cache_shape(num_blocks, BLOCK_SIZE, hkv, d), generator=g).to(dtype).to(cuda)
-    impl = fi.get_impl_cls()(hq, d, 0.1, hkv)
-    state = fi.get_state_cls()(MAX_BATCH, MAX_BLOCKS, BLOCK_SIZE, cuda)
-    builder = fi.get_builder_cls()(BLOCK_SIZE, cuda)
+    num_blocks, kv_cache, impl, state, builder = _setup(fi, cuda, g, hq, hkv, d, dtype)
     with state.graph_capture(MAX_BATCH):
         graph = DecodeGraph(state, impl, kv_cache, b, num_heads=hq, num_kv_heads=hkv,
                             head_size=d, dtype=dtype)
@@ -70,9 +74,7 @@ def test_graph_replay_after_advance_step(fi, cuda):
     tokens = torch.zeros(b, dtype=torch.int64, device=cuda)
     positions = torch.tensor([s.seq_len - 1 for s in seqs] + [0] * (b - real), device=cuda)
     for step in range(4):
-        q = torch.randn(real, hq, d, generator=g).to(dtype).to(cuda)
-        k = torch.randn(real, hkv, d, generator=g).to(dtype).to(cuda)
-        v = torch.randn(real, hkv, d, generator=g).to(dtype).to(cuda)
+        q, k, v = _step_qkv(g, real, hq, hkv, d, dtype, cuda)
         eager_cache = kv_cache.clone()
         eager = impl.forward(q, k, v, eager_cache, builder.build(seqs))
         out = graph.replay(md, q, k, v)
