@@ -20,38 +20,16 @@ import math
 from collections.abc import Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedattn.attention.types import AttentionType
 from pagedattn.layer import Attention
-from pagedattn.models.layers import StackedLinear, encoder_decoder_spec_fields, load_weights
+from pagedattn.models.layers import (ENCODER_DECODER_STACKED, StackedLinear, activation_of,
+                                     encoder_decoder_spec_fields, load_weights)
 
 POSITION_OFFSET = 2
 """BART's learned position tables start at index 2 (fairseq reserved 0 and 1 for padding)."""
 
-ACTIVATIONS = {
-    "gelu": lambda x: F.gelu(x),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-}
-
-STACKED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "encoder_attn.k_proj": ("encoder_attn.kv_proj", 0),
-    "encoder_attn.v_proj": ("encoder_attn.kv_proj", 1),
-}
-"""Checkpoint module name -> (our StackedLinear, shard index)."""
-
-
-def _activation(config):
-    name = config.activation_function
-    if name not in ACTIVATIONS:
-        raise NotImplementedError(f"expected activation_function in {sorted(ACTIVATIONS)}, got {name!r}")
-    return ACTIVATIONS[name]
 
 
 class BartSelfAttention(nn.Module):
@@ -98,7 +76,7 @@ class BartEncoderLayer(nn.Module):
         self.self_attn_layer_norm = nn.LayerNorm(d)
         self.fc1 = nn.Linear(d, ffn_dim)
         self.fc2 = nn.Linear(ffn_dim, d)
-        self.activation = _activation(config)
+        self.activation = activation_of(config)
         self.final_layer_norm = nn.LayerNorm(d)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -257,7 +235,7 @@ class BartForConditionalGeneration(nn.Module):
             ignore = ["encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"]
         else:
             ignore = ["model.shared.weight"]
-        load_weights(self, self._take_logits_bias(weights), STACKED, ignore)
+        load_weights(self, self._take_logits_bias(weights), ENCODER_DECODER_STACKED, ignore)
 
     def _take_logits_bias(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:

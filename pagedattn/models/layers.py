@@ -26,6 +26,31 @@ STACKED_PARAMS = {
 }
 """Checkpoint module name -> (our StackedLinear, shard index), for every family here."""
 
+ENCODER_DECODER_STACKED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "encoder_attn.k_proj": ("encoder_attn.kv_proj", 0),
+    "encoder_attn.v_proj": ("encoder_attn.kv_proj", 1),
+}
+"""Checkpoint module name -> (our StackedLinear, shard index), for BART-style encoder-decoders."""
+
+ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def activation_of(config):
+    """The function `config.activation_function` names (BART, Whisper)."""
+    name = config.activation_function
+    if name not in ACTIVATIONS:
+        raise NotImplementedError(f"expected activation_function in {sorted(ACTIVATIONS)}, got {name!r}")
+    return ACTIVATIONS[name]
+
+
 KV_SCALE_NAMES = {
     "self_attn.k_scale": ("k",),
     "self_attn.v_scale": ("v",),

@@ -29,20 +29,11 @@ from torch import nn
 
 from pagedattn.attention.types import AttentionType
 from pagedattn.layer import Attention
-from pagedattn.models.bart import ACTIVATIONS
-from pagedattn.models.layers import StackedLinear, encoder_decoder_spec_fields, load_weights
+from pagedattn.models.layers import (ENCODER_DECODER_STACKED, StackedLinear, activation_of,
+                                     encoder_decoder_spec_fields, load_weights)
 
 CONV_STRIDE = 2
 """Frames per encoder position: conv1 has stride 1, conv2 stride 2."""
-
-STACKED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "encoder_attn.k_proj": ("encoder_attn.kv_proj", 0),
-    "encoder_attn.v_proj": ("encoder_attn.kv_proj", 1),
-}
-"""Checkpoint module name -> (our StackedLinear, shard index)."""
 
 
 def encoder_len(num_frames: int) -> int:
@@ -193,11 +184,7 @@ class WhisperEncoderLayer(nn.Module):
         self.self_attn_layer_norm = nn.LayerNorm(d)
         self.fc1 = nn.Linear(d, ffn_dim)
         self.fc2 = nn.Linear(ffn_dim, d)
-        if config.activation_function not in ACTIVATIONS:
-            raise NotImplementedError(
-                f"expected activation_function in {sorted(ACTIVATIONS)}, got {config.activation_function!r}"
-            )
-        self.activation = ACTIVATIONS[config.activation_function]
+        self.activation = activation_of(config)
         self.final_layer_norm = nn.LayerNorm(d)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -348,7 +335,7 @@ class WhisperForConditionalGeneration(nn.Module):
         """weights: (Hugging Face name, tensor) pairs, e.g. `model.encoder.conv1.weight`. Tied:
         a saved `proj_out.weight` (a copy of the token embeddings) is skipped."""
         ignore = ["proj_out.weight"] if self.config.tie_word_embeddings else []
-        load_weights(self, _with_zero_k_bias(weights), STACKED, ignore)
+        load_weights(self, _with_zero_k_bias(weights), ENCODER_DECODER_STACKED, ignore)
 
 
 def _with_zero_k_bias(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
