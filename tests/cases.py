@@ -162,12 +162,19 @@ class Scenario(PagedBatch):
         return 1.0 / math.sqrt(self.head_size)
 
     # -- running the library
-    def build(self, *, builder_window: int | None = None, pad_to: int | None = None,
-              seqs=None):
+    def builder(self, *, builder_window: int | None = None, layers=()):
+        """A metadata builder of this scenario's backend, told the model's `layers` (the impls a
+        planning backend plans in `build`); keep one to build several steps, as an engine does."""
         with refusal_guard(self.backend, f"block_size={self.block_size} / sliding_window="
                                          f"{builder_window} in the builder"):
             builder = self.backend.get_builder_cls()(self.block_size, self.device,
                                                      sliding_window=builder_window)
+        builder.set_layers(layers)
+        return builder
+
+    def build(self, *, builder_window: int | None = None, pad_to: int | None = None,
+              seqs=None, layers=()):
+        builder = self.builder(builder_window=builder_window, layers=layers)
         seqs = self.seqs if seqs is None else seqs
         if pad_to is None:
             return builder.build(seqs)

@@ -73,6 +73,7 @@ class ModelRunner:
         if device.type == "cpu":
             pack_linears_for_cpu(self.model)
         self.spec = loaded.spec
+        self.num_caches = self.spec.num_layers + self.spec.num_cross_layers  # decoder layers', then cross layers'
         self.audio = loaded.audio  # an audio encoder's LogMelInput, or None
         self.backend = backend
         self.device = device
@@ -91,10 +92,9 @@ class ModelRunner:
         self.sampler = Sampler(self.default_generator)
 
         self.num_blocks = self._num_kv_blocks(config)
-        num_caches = self.spec.num_layers + self.spec.num_cross_layers
         shape = backend.get_kv_cache_shape(self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_size)
         # Decoder layers' caches, then cross layers' (the layers' `layer_idx` order).
-        self.kv_caches = [torch.zeros(shape, dtype=self.cache_dtype, device=device) for _ in range(num_caches)]
+        self.kv_caches = [torch.zeros(shape, dtype=self.cache_dtype, device=device) for _ in range(self.num_caches)]
         self.num_cross_blocks = self.num_blocks if self.spec.num_cross_layers else 0
         self.num_cpu_blocks = self._num_cpu_blocks(config)
         cpu_shape = backend.get_kv_cache_shape(
@@ -103,7 +103,7 @@ class ModelRunner:
         pin = device.type == "cuda"
         # Untouched CPU pages cost nothing until a swap writes them.
         self.cpu_caches = (
-            [torch.empty(cpu_shape, dtype=self.cache_dtype, pin_memory=pin) for _ in range(num_caches)]
+            [torch.empty(cpu_shape, dtype=self.cache_dtype, pin_memory=pin) for _ in range(self.num_caches)]
             if self.num_cpu_blocks
             else []
         )
@@ -123,7 +123,7 @@ class ModelRunner:
         per_block = math.prod(
             self.backend.get_kv_cache_shape(1, self.block_size, self.spec.num_kv_heads, self.spec.head_size)
         )
-        return per_block * self.cache_dtype.itemsize * (self.spec.num_layers + self.spec.num_cross_layers)
+        return per_block * self.cache_dtype.itemsize * self.num_caches
 
     def _num_kv_blocks(self, config: EngineConfig) -> int:
         """The pool's blocks: `num_kv_blocks` as given (tests shrink it on purpose), else sized
@@ -191,7 +191,7 @@ class ModelRunner:
                 window = (self.audio.num_mel_bins, self.audio.max_frames)
                 encoder = ([torch.zeros(window, device=self.device) for _ in seqs], encoder_pos)
         md = self.builder.build(seqs)
-        empty = [torch.empty(0, dtype=self.cache_dtype, device=self.device)] * len(self.kv_caches)
+        empty = [torch.empty(0, dtype=self.cache_dtype, device=self.device)] * self.num_caches
         with forward_context(md, empty):
             hidden = self._forward(ids, pos, encoder)
         rows = min(self.max_num_seqs, hidden.shape[0])

@@ -257,7 +257,13 @@ def _gguf_tokenizer(path: Path):
             return AutoTokenizer.from_pretrained(folder)
         except (OSError, ValueError):  # a damaged cache entry: build it again below
             pass
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except (TypeError, ValueError, KeyError) as e:  # transformers' GGUF conversion, not our code
+        raise ValueError(
+            f"transformers {transformers.__version__} could not build the tokenizer of {path.name} from its "
+            f"GGUF metadata ({type(e).__name__}: {str(e).splitlines()[0]}); try another transformers "
+            "version, or a model folder with tokenizer.json") from e
     try:
         tokenizer.save_pretrained(folder)
     except OSError:  # a read-only cache: the next start-up parses again, nothing worse

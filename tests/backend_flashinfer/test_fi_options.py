@@ -21,7 +21,7 @@ def test_alternating_windows_planned_once_per_step(fi, cuda):
     sc.reset_cache()
     glob_out = sc.forward(glob, sc.build())
     sc.reset_cache()
-    md = sc.build()
+    md = sc.build(layers=[local, glob])
     for impl in (local, glob):
         spec = impl.spec(torch.bfloat16)
         assert md.prefill_metadata.plans.get(Role.PREFILL, spec) is not None, "prefill not planned by build"

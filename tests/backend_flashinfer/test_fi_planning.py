@@ -31,7 +31,7 @@ def no_planning_in_forward(monkeypatch):
 def test_first_step_is_planned_by_build(fi, cuda, no_planning_in_forward):
     sc = make_scenario(fi, MIXED, head_size=128, dtype=torch.bfloat16, device=cuda, seed=5)
     impl = sc.impl(sliding_window=23, logits_soft_cap=10.0)  # declares bf16 queries
-    md = sc.build()
+    md = sc.build(layers=[impl])
     spec = impl.spec(torch.bfloat16)
     assert md.prefill_metadata.plans.get(Role.PREFILL, spec) is not None
     assert md.decode_metadata.plans.get(Role.DECODE, spec) is not None
@@ -43,9 +43,10 @@ def test_first_step_is_planned_by_build(fi, cuda, no_planning_in_forward):
 def test_undeclared_layer_plans_on_its_first_step_only(fi, cuda, no_planning_in_forward):
     sc = make_scenario(fi, MIXED, head_size=128, dtype=torch.bfloat16, device=cuda, seed=6)
     impl = fi.get_impl_cls()(sc.num_heads, sc.head_size, 0.3, sc.num_kv_heads)  # never told its dtype
-    sc.check(sc.forward(impl, sc.build()), scale=0.3)  # planned in forward, as the fallback
+    builder = sc.builder()  # the layer is not given to set_layers
+    sc.check(sc.forward(impl, builder.build(sc.seqs)), scale=0.3)  # planned in forward, as the fallback
     sc.reset_cache()
-    md = sc.build()  # now the builder knows the layer's dtype
+    md = builder.build(sc.seqs)  # now the builder knows the layer's spec
     no_planning_in_forward()
     sc.check(sc.forward(impl, md), scale=0.3)
 

@@ -64,14 +64,18 @@ class WhisperPools(Pools):
             return self.lm.model.compute_logits(self.lm.model(t(ids), t(pos), *encoder)).cpu()
 
 
-def _reference(model, features: torch.Tensor, dec: list[int]) -> torch.Tensor:
-    """transformers' logits [len(dec), vocab]: its own encoder on a full window, else its modules."""
+def _reference(model, features: torch.Tensor, dec: list[int], device) -> torch.Tensor:
+    """transformers' logits [len(dec), vocab] (on the CPU): its own encoder on a full window, else
+    its modules. Run on the device under test, so both sides share the device's convolution
+    algorithms (cuDNN's differ from the CPU's by more than the attention under test)."""
+    model.to(device)
+    features = features.to(device)
     with torch.no_grad():
-        dec = torch.tensor([dec])
+        dec = torch.tensor([dec], device=device)
         if features.shape[1] == WINDOW:
-            return model(input_features=features[None], decoder_input_ids=dec).logits[0].float()
+            return model(input_features=features[None], decoder_input_ids=dec).logits[0].float().cpu()
         encoder = whisper_encoder_reference(model, features)
-        return model(encoder_outputs=encoder, decoder_input_ids=dec).logits[0].float()
+        return model(encoder_outputs=encoder, decoder_input_ids=dec).logits[0].float().cpu()
 
 
 def test_encoder_length_is_the_convolutions_rule(checkpoint):
@@ -106,7 +110,7 @@ def test_prefill_then_decode_matches_transformers(checkpoint, device, backend, b
     a_dec, b_dec, c_dec = [START, *_tokens(8, 4)], [START, *_tokens(2, 5)], [START, *_tokens(4, 6)]
     a_tab, b_tab, c_tab = pools.blocks(len(a_dec)), pools.blocks(len(b_dec)), pools.blocks(len(c_dec))
     a_x, b_x, c_x = (pools.blocks(encoder_len(f.shape[1])) for f in (a_f, b_f, c_f))
-    a_ref, b_ref, c_ref = (_reference(reference, f, d) for f, d in ((a_f, a_dec), (b_f, b_dec), (c_f, c_dec)))
+    a_ref, b_ref, c_ref = (_reference(reference, f, d, device) for f, d in ((a_f, a_dec), (b_f, b_dec), (c_f, c_dec)))
 
     first = pools.step([(a_f, a_dec, 0, 6, a_tab, a_x), (b_f, b_dec, 0, 3, b_tab, b_x)])
     torch.testing.assert_close(first, torch.cat([a_ref[:6], b_ref]), atol=1e-4, rtol=1e-4)
@@ -140,7 +144,7 @@ def test_loading(checkpoint, tmp_path, device, backend_name):
     feats, dec = _features(WINDOW, 7), [START, 3, 4]
     pools = WhisperPools(lm, pagedattn.get_backend(backend_name), device)
     out = pools.step([(feats, dec, 0, len(dec), pools.blocks(len(dec)), pools.blocks(encoder_len(WINDOW)))])
-    torch.testing.assert_close(out, _reference(reference, feats, dec), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out, _reference(reference, feats, dec, device), atol=1e-4, rtol=1e-4)
 
     from transformers import WhisperFeatureExtractor
 
