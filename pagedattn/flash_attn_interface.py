@@ -157,8 +157,7 @@ def _attend(query, k, v, out, lse, *, query_start_loc, seq_lens, block_tables, k
 
     workspace = shared_workspace(query.device, query.shape[1], k.shape[-2], query.shape[2])
     if num_splits is not None and num_splits > 1:
-        fits = workspace.fits(query.shape[0], query.shape[1], query.shape[2])
-        num_splits = min(num_splits, workspace.max_splits) if fits else 1
+        num_splits = min(num_splits, workspace.splits_for(*query.shape))
     paged_attention(query, k, v, out, query_start_loc=query_start_loc, seq_lens=seq_lens,
                     block_tables=block_tables, kv_start_loc=kv_start_loc,
                     max_query_len=max_query_len, max_seq_len=max_seq_len, lse=lse,

@@ -22,8 +22,9 @@ Algorithm (FlashAttention-2 with GQA packing and FlashDecoding splits):
 - Online softmax in base 2 (log2(e) folded into the score scale); FP8 caches are read raw and
   converted to the query dtype, with k_scale folded into the score scale and v_scale applied
   to the normalised output.
-- Split-KV: with NUM_SPLITS > 1 each split takes a contiguous share of the key tiles and writes
+- Split-KV: with num_splits > 1 each split takes a contiguous share of the key tiles and writes
   (normalised output, LSE) to the caller's `SplitKVWorkspace`; `reduce_splits` merges them.
+  The count is a runtime argument: one compiled variant serves every count (1 to 128).
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, kv_start_loc_ptr,
     alibi_slopes_ptr, k_scale_ptr, v_scale_ptr,
-    sm_scale, soft_cap, window, num_seqs, num_tiles,
+    sm_scale, soft_cap, window, num_seqs, num_tiles, num_splits,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -151,7 +152,7 @@ def _paged_attention_kernel(
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, GROUP: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, FP8_KV: tl.constexpr, PAGED: tl.constexpr,
     WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
@@ -218,7 +219,7 @@ def _paged_attention_kernel(
     j_hi = tl.cdiv(key_hi, BLOCK_N)
     j_full_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N), j_lo), j_hi)
     j_full_hi = tl.minimum(tl.maximum(full_hi // BLOCK_N, j_full_lo), j_hi)
-    per_split = tl.cdiv(j_hi - j_lo, NUM_SPLITS)
+    per_split = tl.cdiv(j_hi - j_lo, num_splits)
     s_lo = tl.minimum(j_lo + split * per_split, j_hi)
     s_hi = tl.minimum(s_lo + per_split, j_hi)
 
@@ -260,7 +261,7 @@ def _paged_attention_kernel(
     # natural-log LSE of the scaled scores (m_i, l_i are base 2)
     lse = tl.where(empty, float("-inf"),
                    (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         tl.store(out_ptr + tok[:, None] * stride_ot + head64[:, None] * stride_oh
                  + d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty), mask=io_mask)
         if WRITE_LSE:
@@ -312,7 +313,8 @@ def paged_attention(
     alibi_slopes: [Hq] float32. soft_cap: c in c * tanh(s / c).
     k_scale, v_scale: 0-dim float32 device tensors (python floats cost an allocation); FP8 only.
     lse: optional [T, Hq] float32 output, natural-log log-sum-exp of each row's scores.
-    workspace: split-KV scratch; without it (or when T exceeds it) the launch is unsplit.
+    workspace: split-KV scratch; without it (or when it holds no 2 splits of T tokens) the
+        launch is unsplit.
     kv_start_loc: [B+1] int32; sequence b's keys are rows kv_start_loc[b] + (0..seq_lens[b]-1).
     num_splits: force the split count (tests, tuning); needs a workspace when > 1.
     """
@@ -381,22 +383,24 @@ def paged_attention(
     group = num_heads // num_kv_heads
     tile = choose_tile(head_size=head_size, group=group, max_query_len=max_query_len,
                        elem_bytes=query.element_size(), interpret=INTERPRET)
-    can_split = workspace is not None and workspace.fits(num_tokens, num_heads, head_size)
+    limit = 1 if workspace is None else workspace.splits_for(num_tokens, num_heads, head_size)
     if num_splits is None:
-        num_splits = 1 if not can_split else choose_num_splits(
+        num_splits = 1 if limit < 2 else choose_num_splits(
             num_seqs=num_seqs, num_kv_heads=num_kv_heads, max_query_len=max_query_len,
-            max_seq_len=max_seq_len, block_q=tile.block_q, num_sms=num_sms(device),
-            max_splits=workspace.max_splits)
+            max_seq_len=max_seq_len, block_q=tile.block_q, block_n=tile.block_n,
+            num_sms=num_sms(device), max_splits=limit)
     elif num_splits > 1:
-        check(can_split and num_splits <= workspace.max_splits, "workspace for num_splits",
-              f"a SplitKVWorkspace with >= {num_splits} splits, >= {num_tokens} tokens, "
+        check(num_splits <= limit, "workspace for num_splits",
+              f"a SplitKVWorkspace with room for {num_splits} splits of {num_tokens} tokens, "
               f"{num_heads} heads of size {head_size}",
-              None if workspace is None else tuple(workspace.partial_out.shape))
+              None if workspace is None else
+              f"{limit} splits ({workspace.rows} rows of {tuple(workspace.partial_out.shape[1:])}, "
+              f"max_splits {workspace.max_splits})")
     fp8 = k_cache.dtype in FP8_DTYPES
     k_scale_t = scale_tensor(k_scale, "k_scale", device) if fp8 else seq_lens
     v_scale_t = scale_tensor(v_scale, "v_scale", device) if fp8 else seq_lens
     if num_splits > 1:
-        part_out, part_lse = workspace.partial_out, workspace.partial_lse
+        part_out, part_lse = workspace.views(num_splits, num_tokens)
     else:
         part_out, part_lse = out.unsqueeze(0), seq_lens.view(1, -1, 1)  # never written
     lse_arg = lse if lse is not None else seq_lens.view(-1, 1)  # never written without lse
@@ -408,12 +412,13 @@ def paged_attention(
         query_start_loc, seq_lens, bt_arg, kv_start_arg,
         alibi_slopes if alibi_slopes is not None else seq_lens, k_scale_t, v_scale_t,
         float(scale), float(soft_cap or 0.0), int(sliding_window or 0), num_seqs, num_tiles,
+        num_splits,
         *query.stride(), *kv_strides, *out.stride(), lse_arg.stride(0), lse_arg.stride(1),
         *part_out.stride(), *part_lse.stride(), bt_stride,
         HEAD_SIZE=head_size, HEAD_PAD=max(16, next_pow2(head_size)), GROUP=group,
         NUM_KV_HEADS=num_kv_heads,
         BLOCK_Q=tile.block_q, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-        BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, SEARCH_STEPS=num_seqs.bit_length(),
+        BLOCK_SIZE=block_size, SPLIT=num_splits > 1, SEARCH_STEPS=num_seqs.bit_length(),
         CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None,
         USE_ALIBI=alibi_slopes is not None, USE_SOFTCAP=soft_cap is not None, FP8_KV=fp8,
         PAGED=paged, WRITE_LSE=lse is not None, UPCAST=INTERPRET,

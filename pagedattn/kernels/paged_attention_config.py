@@ -14,15 +14,19 @@ Two regimes, chosen by the step's largest query length:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from pagedattn.intmath import cdiv
 
 from ._common import next_pow2
 
-# Keys per split never fall below this: shorter chunks cost more in the reduction than they
-# win in occupancy.
-MIN_KEYS_PER_SPLIT = 256
+# FA3's split rule (hopper/heuristics.h, restated): programs that fill this share of the SMs
+# run unsplit; otherwise the fewest splits whose wave efficiency is within EFFICIENCY_SLACK of
+# the best count.
+FILL_SHARE = 0.8
+EFFICIENCY_SLACK = 0.85
+MIN_TILES_TO_SPLIT = 5  # at most 4 key tiles (256 keys at BLOCK_N 64): never worth a reduction
 
 
 @dataclass(frozen=True)
@@ -74,14 +78,27 @@ def choose_tile(*, head_size: int, group: int, max_query_len: int, elem_bytes: i
 
 
 def choose_num_splits(*, num_seqs: int, num_kv_heads: int, max_query_len: int,
-                      max_seq_len: int, block_q: int, num_sms: int, max_splits: int) -> int:
-    """FlashDecoding split count: enough programs for ~2 waves, >= MIN_KEYS_PER_SPLIT keys each."""
-    if max_splits <= 1:
-        return 1
+                      max_seq_len: int, block_q: int, block_n: int, num_sms: int,
+                      max_splits: int) -> int:
+    """FlashDecoding split count for a launch of `num_seqs x query tiles x num_kv_heads` programs.
+
+    No split once the programs fill FILL_SHARE of the SMs, or when the longest sequence has fewer
+    than MIN_TILES_TO_SPLIT key tiles. Otherwise, among split counts up to min(max_splits,
+    num_sms, key tiles) that change the tiles per split (9 tiles in 5 or 6 splits is 2 tiles
+    each either way: the extra split would only idle), the fewest whose wave efficiency
+    (waves / ceil(waves), waves = programs * splits / num_sms) is within EFFICIENCY_SLACK of the
+    best. B=1 with 8 KV heads and 1k keys at 64 keys a tile: 16 splits (128 programs).
+    """
     programs = num_seqs * cdiv(max(1, max_query_len), block_q) * num_kv_heads
-    target = 2 * num_sms
-    if programs >= target:
+    tiles = cdiv(max(1, max_seq_len), block_n)
+    if max_splits <= 1 or programs >= FILL_SHARE * num_sms or tiles < MIN_TILES_TO_SPLIT:
         return 1
-    by_occupancy = cdiv(target, programs)
-    by_length = max(1, max_seq_len // MIN_KEYS_PER_SPLIT)
-    return max(1, min(max_splits, by_occupancy, by_length))
+    limit = min(max_splits, num_sms, tiles)
+    candidates = [s for s in range(1, limit + 1) if s == 1 or cdiv(tiles, s) != cdiv(tiles, s - 1)]
+
+    def efficiency(splits: int) -> float:
+        waves = programs * splits / num_sms
+        return waves / math.ceil(waves)
+
+    best = max(efficiency(s) for s in candidates)
+    return next(s for s in candidates if efficiency(s) >= EFFICIENCY_SLACK * best)

@@ -29,45 +29,58 @@ from ._common import check, check_tensor, next_pow2, num_sms
 
 @dataclass(frozen=True)
 class SplitKVWorkspace:
-    """Caller-owned scratch for split-KV attention.
+    """Caller-owned scratch for split-KV attention: `rows` (split, token) rows, one launch of T
+    tokens in S splits using the first S * T of them, viewed as [S, T, ...].
 
-    partial_out: [max_splits, max_num_tokens, Hq, D] float32
-    partial_lse: [max_splits, max_num_tokens, Hq] float32
+    partial_out: [rows, Hq, D] float32
+    partial_lse: [rows, Hq] float32
+    max_splits: the most splits any launch takes from it
     """
 
     partial_out: torch.Tensor
     partial_lse: torch.Tensor
+    max_splits: int
 
     @classmethod
     def allocate(cls, max_num_tokens: int, num_heads: int, head_size: int, max_splits: int,
                  device: torch.device | str) -> "SplitKVWorkspace":
-        """Size for decode-like steps: `max_num_tokens` is usually the max number of sequences."""
+        """Room for `max_splits` splits of `max_num_tokens` tokens (or more splits of fewer
+        tokens, up to `max_splits`); `max_num_tokens` is usually the max number of sequences."""
         check(max_splits >= 1, "max_splits", ">= 1", max_splits)
-        out = torch.empty(max_splits, max_num_tokens, num_heads, head_size,
-                          dtype=torch.float32, device=device)
-        lse = torch.empty(max_splits, max_num_tokens, num_heads, dtype=torch.float32,
-                          device=device)
-        return cls(out, lse)
+        check(max_num_tokens >= 1, "max_num_tokens", ">= 1", max_num_tokens)
+        rows = max_num_tokens * max_splits
+        out = torch.empty(rows, num_heads, head_size, dtype=torch.float32, device=device)
+        lse = torch.empty(rows, num_heads, dtype=torch.float32, device=device)
+        return cls(out, lse, max_splits)
 
     @property
-    def max_splits(self) -> int:
+    def rows(self) -> int:
         return self.partial_out.shape[0]
 
-    @property
-    def max_num_tokens(self) -> int:
-        return self.partial_out.shape[1]
+    def splits_for(self, num_tokens: int, num_heads: int, head_size: int) -> int:
+        """The most splits a launch of this shape can take from the workspace (1: run unsplit)."""
+        if self.partial_out.shape[1:] != (num_heads, head_size) or num_tokens < 1:
+            return 1
+        return max(1, min(self.max_splits, self.rows // num_tokens))
 
-    def fits(self, num_tokens: int, num_heads: int, head_size: int) -> bool:
-        return (num_tokens <= self.max_num_tokens and self.partial_out.shape[2] == num_heads
-                and self.partial_out.shape[3] == head_size)
+    def views(self, num_splits: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """([S, T, Hq, D], [S, T, Hq]) views of the rows one launch of T tokens in S splits uses."""
+        used = num_splits * num_tokens
+        check(used <= self.rows, "split-KV workspace rows", f">= {used}", self.rows)
+        heads, dim = self.partial_out.shape[1:]
+        return (self.partial_out[:used].view(num_splits, num_tokens, heads, dim),
+                self.partial_lse[:used].view(num_splits, num_tokens, heads))
 
 
-# Split-KV pays only while (sequences x KV heads) leaves the GPU short of programs; the
-# kernel's policy stops splitting at 2 programs per SM, which bounds the tokens the scratch
-# holds. The floor lets a forced `num_splits` work on small batches anywhere (and under the
-# interpreter, which reports 1 SM).
-MAX_SPLITS = 16
-_MIN_TOKENS = 16
+# Split-KV pays only while (sequences x KV heads) leaves the GPU short of programs; the split
+# policy (`choose_num_splits`) then spreads about one wave of programs, so split count times
+# tokens stays near a few programs per SM: ROWS_PER_SM of them bound the scratch. MAX_SPLITS is
+# FA3's cap; the floor lets a forced `num_splits` work on small batches anywhere (and under
+# the interpreter, which reports 1 SM).
+MAX_SPLITS = 128
+ROWS_PER_SM = 8
+_MIN_ROWS = 256
+SPLITS_BLOCK = 16  # splits the reduction merges per step
 _shared: dict[tuple, SplitKVWorkspace] = {}
 
 
@@ -77,8 +90,9 @@ def shared_workspace(device: torch.device, num_heads: int, num_kv_heads: int,
     a time on a stream), allocated once and never replaced, so captured graphs keep its address."""
     key = (torch.device(device), num_heads, num_kv_heads, head_size)
     if key not in _shared:
-        tokens = max(cdiv(2 * num_sms(key[0]), num_kv_heads), _MIN_TOKENS)
-        _shared[key] = SplitKVWorkspace.allocate(tokens, num_heads, head_size, MAX_SPLITS, key[0])
+        rows = max(ROWS_PER_SM * num_sms(key[0]), _MIN_ROWS)
+        _shared[key] = SplitKVWorkspace.allocate(cdiv(rows, MAX_SPLITS), num_heads, head_size,
+                                                 MAX_SPLITS, key[0])
     return _shared[key]
 
 
@@ -88,27 +102,39 @@ def _reduce_splits_kernel(
     stride_po_s, stride_po_t, stride_po_h, stride_po_d,
     stride_pl_s, stride_pl_t, stride_pl_h,
     stride_o_t, stride_o_h, stride_o_d, stride_l_t, stride_l_h,
-    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_BLOCK: tl.constexpr,
     WRITE_LSE: tl.constexpr,
 ):
+    """One (token, head): the splits in blocks of SPLITS_BLOCK with a running max, so up to
+    MAX_SPLITS partials merge without holding them all in registers."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
-    s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_PAD)
-    s_ok = s < num_splits
-    lse = tl.load(part_lse_ptr + s.to(tl.int64) * stride_pl_s + t * stride_pl_t + h * stride_pl_h,
-                  mask=s_ok, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - m_safe)  # 0 for empty splits
-    w_sum = tl.sum(w, 0)
-    o = tl.load(part_out_ptr + s.to(tl.int64)[:, None] * stride_po_s + t * stride_po_t
-                + h * stride_po_h + d[None, :] * stride_po_d,
-                mask=s_ok[:, None] & (d < HEAD_SIZE)[None, :], other=0.0)
-    acc = tl.sum(o * w[:, None], 0) / tl.where(w_sum == 0.0, 1.0, w_sum)
+    d_ok = d < HEAD_SIZE
+    m = tl.max(tl.full([SPLITS_BLOCK], float("-inf"), tl.float32), 0)
+    w_sum = tl.sum(tl.zeros([SPLITS_BLOCK], tl.float32), 0)
+    acc = tl.zeros([HEAD_PAD], tl.float32)
+    for s0 in range(0, num_splits, SPLITS_BLOCK):
+        s = s0 + tl.arange(0, SPLITS_BLOCK)
+        s_ok = s < num_splits
+        s64 = s.to(tl.int64)
+        lse = tl.load(part_lse_ptr + s64 * stride_pl_s + t * stride_pl_t + h * stride_pl_h,
+                      mask=s_ok, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)  # 0 while nothing was seen (m = -inf)
+        w = tl.exp(lse - m_safe)  # 0 for empty splits
+        o = tl.load(part_out_ptr + s64[:, None] * stride_po_s + t * stride_po_t
+                    + h * stride_po_h + d[None, :] * stride_po_d,
+                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * alpha + tl.sum(o * w[:, None], 0)
+        w_sum = w_sum * alpha + tl.sum(w, 0)
+        m = m_new
+    acc = acc / tl.where(w_sum == 0.0, 1.0, w_sum)
     tl.store(out_ptr + t * stride_o_t + h * stride_o_h + d * stride_o_d,
-             acc.to(out_ptr.dtype.element_ty), mask=d < HEAD_SIZE)
+             acc.to(out_ptr.dtype.element_ty), mask=d_ok)
     if WRITE_LSE:
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
         tl.store(lse_ptr + t * stride_l_t + h * stride_l_h,
                  tl.where(w_sum == 0.0, float("-inf"),
                           m_safe + tl.log(tl.where(w_sum == 0.0, 1.0, w_sum))))
@@ -120,21 +146,22 @@ def reduce_splits(workspace: SplitKVWorkspace, num_splits: int, out: torch.Tenso
     [T, Hq] float32 when given). `T = out.shape[0]` rows of the workspace are read."""
     check_tensor(out, "out", ndim=3)
     num_tokens, num_heads, head_size = out.shape
-    check(workspace.fits(num_tokens, num_heads, head_size), "workspace.partial_out.shape",
-          f"[>= {num_splits}, >= {num_tokens}, {num_heads}, {head_size}]",
-          tuple(workspace.partial_out.shape))
-    check(1 <= num_splits <= workspace.max_splits, "num_splits",
-          f"1..{workspace.max_splits}", num_splits)
+    limit = workspace.splits_for(num_tokens, num_heads, head_size)
+    check(1 <= num_splits <= limit, "num_splits",
+          f"1..{limit} (a workspace of {workspace.rows} rows of [{num_heads}, {head_size}], "
+          f"at most {workspace.max_splits} splits, for {num_tokens} tokens)", num_splits)
     if lse is not None:
         check_tensor(lse, "lse", ndim=2, dtypes=(torch.float32,), device=out.device)
         check(lse.shape == out.shape[:2], "lse.shape", tuple(out.shape[:2]), tuple(lse.shape))
     if num_tokens == 0:
         return
-    lse_arg = lse if lse is not None else workspace.partial_lse
+    part_out, part_lse = workspace.views(num_splits, num_tokens)
+    lse_arg = lse if lse is not None else part_lse[0]
     _reduce_splits_kernel[(num_tokens, num_heads)](
-        workspace.partial_out, workspace.partial_lse, out, lse_arg, num_splits,
-        *workspace.partial_out.stride(), *workspace.partial_lse.stride(),
+        part_out, part_lse, out, lse_arg, num_splits,
+        *part_out.stride(), *part_lse.stride(),
         *out.stride(), lse_arg.stride(0), lse_arg.stride(1),
-        HEAD_SIZE=head_size, HEAD_PAD=next_pow2(head_size), SPLITS_PAD=next_pow2(num_splits),
+        HEAD_SIZE=head_size, HEAD_PAD=next_pow2(head_size),
+        SPLITS_BLOCK=min(SPLITS_BLOCK, next_pow2(num_splits)),
         WRITE_LSE=lse is not None, num_warps=4,
     )

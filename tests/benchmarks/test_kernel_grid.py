@@ -170,9 +170,11 @@ def test_arguments_select_cases_and_providers():
     assert [c.name for c in args.cases] == ["decode 32/8/128 B=16 L=4k window 128"]
     assert args.providers == ["raw", "sdpa"]
     assert len(parse_args(["--grid", "prefill,mixed"], "p").cases) == 18 + 3
+    assert parse_args(["--splits", "16,1, 4,16"], "p").splits == [1, 4, 16]
 
 
-@pytest.mark.parametrize("argv", [["--backend", "nope"], ["--grid", "nope"], ["--match", "no such case"]])
+@pytest.mark.parametrize("argv", [["--backend", "nope"], ["--grid", "nope"], ["--match", "no such case"],
+                                  ["--splits", "4,x"], ["--splits", "0"]])
 def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         parse_args(argv, "p")

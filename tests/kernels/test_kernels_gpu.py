@@ -86,7 +86,7 @@ def test_decode_split_kv_auto(num_seqs):
     ws = SplitKVWorkspace.allocate(num_seqs, 32, 128, 16, DEVICE)
     tile = choose_tile(head_size=128, group=4, max_query_len=1, elem_bytes=2, interpret=False)
     splits = choose_num_splits(num_seqs=num_seqs, num_kv_heads=8, max_query_len=1,
-                               max_seq_len=4000, block_q=tile.block_q,
+                               max_seq_len=4000, block_q=tile.block_q, block_n=tile.block_n,
                                num_sms=num_sms(torch.device(DEVICE)), max_splits=16)
     if num_seqs == 1:
         assert splits > 1

@@ -130,6 +130,30 @@ def test_split_kv_matches_unsplit(shape, num_splits):
     check_against_oracle(batch, workspace=ws, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("num_splits", [5, 11, 37])
+def test_many_splits_and_empty_splits(num_splits):
+    """Up to more splits than key tiles (empty splits: -inf LSE, zero output, never NaN) and
+    more than the reduction merges per step (16)."""
+    batch = make([(0, 1), (700, 1), (40, 1)], block_size=16)
+    ws = SplitKVWorkspace.allocate(batch.num_tokens, 4, 32, 64, DEVICE)
+    ws.partial_out.fill_(float("nan"))
+    ws.partial_lse.fill_(float("nan"))
+    out = check_against_oracle(batch, workspace=ws, num_splits=num_splits)
+    assert not out.isnan().any()
+
+
+def test_workspace_rows_trade_tokens_for_splits():
+    ws = SplitKVWorkspace.allocate(4, 4, 32, 16, DEVICE)  # 64 rows
+    assert ws.rows == 64 and ws.splits_for(4, 4, 32) == 16
+    assert ws.splits_for(1, 4, 32) == 16  # capped by max_splits
+    assert ws.splits_for(10, 4, 32) == 6 and ws.splits_for(40, 4, 32) == 1
+    assert ws.splits_for(4, 8, 32) == 1  # another head layout: unsplit
+    out, lse = ws.views(6, 10)
+    assert out.shape == (6, 10, 4, 32) and lse.shape == (6, 10, 4)
+    with pytest.raises(ValueError, match="rows"):
+        ws.views(7, 10)
+
+
 def test_workspace_is_optional_and_too_small_runs_unsplit():
     batch = make(SHAPES["many_decodes"])
     small = SplitKVWorkspace.allocate(2, 4, 32, 4, DEVICE)  # fewer tokens than the step

@@ -1,11 +1,13 @@
 """Paged-attention kernels and backends against FlashInfer and dense SDPA, on the same data (GPU).
 
-`pagedattn bench kernels [--grid G[,G...]] [--backend P[,P...]] [--quick] [--match TEXT] [--out DIR]`
+`pagedattn bench kernels [--grid G[,G...]] [--backend P[,P...]] [--quick] [--match TEXT]
+[--splits N[,N...]] [--out DIR]`
 
 Per case (cases.py: decode, long, prefill, chunked, mixed, graph grids), in one process on one
 set of tensors (shuffled pages, bf16 queries, bf16 or FP8 e4m3 KV), rows for:
 - every available registered backend through the contract (`impl.forward`, store included);
-- `raw`: our kernels called directly (`store_kv` + one `paged_attention` launch);
+- `raw`: our kernels called directly (`store_kv` + one `paged_attention` launch); with
+  `--splits`, also `raw-s<N>`: the same with the split-KV count forced to N (to tune the policy);
 - `flashinfer-raw`: FlashInfer's wrappers called directly, with its `append_paged_kv_cache`
   (bf16) or our `store_kv` (FP8) so it stores what the contract stores; always run when
   FlashInfer imports, since it is the reference of the speed and error columns;
@@ -50,6 +52,9 @@ def parse_args(argv: list[str] | None, prog: str | None) -> argparse.Namespace:
                         help="a handful of representative cells per grid (minutes, after compilation)")
     parser.add_argument("--match", default=None,
                         help="comma list of substrings; keep only cases whose name holds one")
+    parser.add_argument("--splits", default="",
+                        help="comma list of split-KV counts: a raw-s<N> row each, our kernels "
+                             "with the split count forced")
     parser.add_argument("--out", default="kernel_bench", type=Path,
                         help="folder for results.json/.csv/.md and roofline.png (default: kernel_bench)")
     args = parser.parse_args(argv)
@@ -63,6 +68,12 @@ def parse_args(argv: list[str] | None, prog: str | None) -> argparse.Namespace:
         args.cases = [c for c in args.cases if any(k in c.name.lower() for k in keys)]
     if not args.cases:
         parser.error(f"expected at least one case, got none for --grid {args.grid} --match {args.match}")
+    try:
+        args.splits = sorted({int(n) for n in _names(args.splits)})
+    except ValueError:
+        parser.error(f"expected --splits as comma-separated integers, got {args.splits!r}")
+    if any(n < 1 for n in args.splits):  # above the workspace's cap, a row says so
+        parser.error(f"expected --splits counts >= 1, got {args.splits}")
     args.providers = _names(args.backend) if args.backend else None
     bad = [n for n in args.providers or [] if n not in valid]
     if bad:
@@ -79,5 +90,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     except ModuleNotFoundError as exc:
         print(f"{prog}: needs the {exc.name!r} package, which is not installed", file=sys.stderr)
         return 2
-    run_suite(args.cases, args.providers, args.out, list(argv if argv is not None else sys.argv[1:]))
+    run_suite(args.cases, args.providers, args.out, list(argv if argv is not None else sys.argv[1:]),
+              args.splits)
     return 0

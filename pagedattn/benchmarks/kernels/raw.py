@@ -1,20 +1,25 @@
 """Our kernels called directly (`pagedattn.kernels`): `store_kv` then ONE `paged_attention`
 launch for the whole step (prefills and decodes together), with the split-KV scratch every
 backend shares (`shared_workspace`). Ragged cases read the step's contiguous K/V
-(`kv_start_loc`) and store nothing."""
+(`kv_start_loc`) and store nothing. `num_splits` forces the split-KV count (the `raw-s<N>` rows
+of `--splits`, to tune the split policy against); None lets the policy choose."""
 
 from __future__ import annotations
 
 from pagedattn.kernels import paged_attention, shared_workspace, store_kv
 
-from .step import Step
+from .step import NotApplicable, Step
 from .workload import InputSet, Workload
 
 
-def prepare_raw(w: Workload) -> Step:
+def prepare_raw(w: Workload, num_splits: int | None = None) -> Step:
     c = w.case
     ws = shared_workspace(w.device, c.num_heads, c.num_kv_heads, c.head_size)
     max_seq_len = max(c.seq_lens)
+    num_tokens = w.sets[0].query.shape[0]
+    if num_splits is not None and num_splits > ws.splits_for(num_tokens, c.num_heads, c.head_size):
+        raise NotApplicable(f"{num_splits} splits of {num_tokens} tokens exceed the shared "
+                            f"workspace ({ws.rows} rows, at most {ws.max_splits} splits)")
 
     def call(s: InputSet) -> None:
         if c.paged:
@@ -26,7 +31,7 @@ def prepare_raw(w: Workload) -> Step:
                         block_tables=tables, max_query_len=c.max_query_len, max_seq_len=max_seq_len,
                         scale=w.scale, causal=True, sliding_window=c.sliding_window,
                         alibi_slopes=w.alibi_slopes, soft_cap=c.soft_cap, k_scale=w.k_scale,
-                        v_scale=w.v_scale, workspace=ws, kv_start_loc=kv_start)
+                        v_scale=w.v_scale, workspace=ws, kv_start_loc=kv_start, num_splits=num_splits)
 
     return Step([lambda s=s: call(s) for s in w.sets], lambda: w.sets[0].out,
                 store="store_kv" if c.paged else "-")

@@ -46,9 +46,10 @@ class Provider:
     prepare: Callable  # (workload, graph: bool) -> Step
 
 
-def providers(selection: list[str] | None) -> tuple[list[Provider], list[str]]:
+def providers(selection: list[str] | None, splits: list[int] = ()) -> tuple[list[Provider], list[str]]:
     """The providers to run (flashinfer-raw always: it is the reference of the speed and error
-    columns), and one line per registered backend that cannot run here."""
+    columns), and one line per registered backend that cannot run here; `splits` adds one
+    `raw-s<N>` row per forced split count."""
     statuses = pagedattn.list_backends()
     wanted = set(selection or [])
     if "sdpa" in wanted:
@@ -58,6 +59,7 @@ def providers(selection: list[str] | None) -> tuple[list[Provider], list[str]]:
         return not selection or name in wanted
 
     out = [Provider(RAW, "raw", lambda w, graph: prepare_raw(w))] if on(RAW) else []
+    out += [Provider(f"{RAW}-s{n}", "raw", lambda w, graph, n=n: prepare_raw(w, n)) for n in splits]
     out.append(Provider(FLASHINFER_RAW, "peer", prepare_flashinfer))
     unavailable = [f"{s.name}: {'; '.join(s.reasons)}" for s in statuses if not s.available and on(s.name)]
     names = [s.name for s in statuses if s.available and on(s.name)]
@@ -151,10 +153,11 @@ def run_case(case: Case, plist: list[Provider], ceilings: dict, flusher: Flusher
     return rows
 
 
-def run_suite(cases: list[Case], selection: list[str] | None, out_dir: Path, argv: list[str]) -> dict:
+def run_suite(cases: list[Case], selection: list[str] | None, out_dir: Path, argv: list[str],
+              splits: list[int] = ()) -> dict:
     """Measure the ceilings, run every case, write the files under `out_dir`; returns the report."""
     device = torch.device("cuda")
-    plist, unavailable = providers(selection)
+    plist, unavailable = providers(selection, splits)
     report = dict(environment=environment(device), arguments=argv, unavailable=unavailable,
                   providers=[p.name for p in plist], rows=[])
     out_dir.mkdir(parents=True, exist_ok=True)
