@@ -2,7 +2,7 @@
 # One call on the GPU machine: the backend suites on CUDA, kernel GPU tests, CUDA graphs and
 # the kernel benchmark. $OUT (or ./gpu_out) gets summary.txt and logs.tgz (every log, refreshed
 # after each suite: the machine returns at most 8 files). Usage:
-#   bash scripts/gpu_check.sh [suite ...]      suites: torch triton flashinfer kernels bench engine
+#   bash scripts/gpu_check.sh [suite ...]      suites: torch triton flashinfer kernels bench engine fi-fixed engine-fixed
 #                                              backends overhead engine-bench engine-bench-fi
 #                                              engine-bench-full (SHAPE=llama3-8b by default) ...
 #
@@ -33,7 +33,9 @@ run() {  # name, time limit (s), command...
   tar czf "$OUT/logs.tgz" -C "$LOGS" .
 }
 
-ls .fi-aot/fi-aot-*.tar > /dev/null 2>&1 && run fi-install 120 python scripts/fi_jit.py install .fi-aot
+for d in .fi-aot .fi-aot2; do  # two folders: all 41 modules (41 MiB) and .peers do not fit one call
+  ls $d/fi-aot-*.tar > /dev/null 2>&1 && run "fi-install${d#.fi-aot}" 120 python scripts/fi_jit.py install $d
+done
 python -m pagedattn info > "$LOGS/info.log" 2>&1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$LOGS/info.log"
 for s in $suites; do
@@ -45,7 +47,15 @@ for s in $suites; do
     ours)  # every backend on our kernels (and torch), one run: the workers share Triton's compile cache
       run ours "${LIMIT:-330}" python -m pytest tests/backend tests/gpu tests/backend_xformers \
         --backend torch,triton,flash_attn,xformers --device cuda -q -p no:cacheprovider -n "${WORKERS:-6}" \
-        --tb=short -rfEs ;;
+        --tb=short -rfEs --durations=20 ;;
+    fi-fixed)  # the flashinfer tests changed since the last full run (planning through set_layers)
+      run fi-fixed "${LIMIT:-150}" python -m pytest tests/backend_flashinfer/test_fi_planning.py \
+        tests/backend_flashinfer/test_fi_options.py --backend flashinfer --device cuda -q -p no:cacheprovider \
+        -n 4 --tb=short -rfEs ;;
+    engine-fixed)  # the engine/model tests changed since the last CUDA run
+      run engine-fixed "${ELIMIT:-200}" python -m pytest tests/models/test_whisper.py tests/models/test_gguf_families.py \
+        tests/engine/test_encoder_decoder.py tests/engine/test_pool_sizing.py --backend triton --device cuda -q \
+        -p no:cacheprovider -n "${WORKERS:-6}" --tb=short -rfEs ;;
     kernels) run kernels "${KLIMIT:-150}" python -m pytest tests/kernels/test_kernels_gpu.py -q -p no:cacheprovider ;;
     kernels-all) run kernels-all "${KLIMIT:-240}" python -m pytest tests/kernels --device cuda -q -p no:cacheprovider \
         -n "${WORKERS:-4}" --tb=short -rfEs ;;
@@ -64,15 +74,28 @@ for s in $suites; do
       while kill -0 "$(cat /tmp/fi-bg.pid)" 2>/dev/null && [ $SECONDS -lt $end ]; do sleep 5; done
       echo "fi-wait: $(kill -0 "$(cat /tmp/fi-bg.pid)" 2>/dev/null && echo still building || echo done) after $SECONDS s;" \
         "$(tail -1 "$LOGS/fi-build.log")" | tee -a "$summary" ;;
-    fa4)  # FA4 carried in parts (.fa4a in one call, .fa4b in the next: see README), then the probe
-      mkdir -p /tmp/fa4parts && cp .fa4a/* .fa4b/* /tmp/fa4parts/ 2>/dev/null
-      if [ -f /tmp/fa4parts/ir.xz.part-aa ] && [ -f /tmp/fa4parts/ir.xz.part-ab ]; then
-        FA4=/tmp/fa4site; mkdir -p $FA4 && tar xJf /tmp/fa4parts/small.tar.xz -C $FA4
-        cat /tmp/fa4parts/ir.xz.part-* | xz -d > $FA4/nvidia_cutlass_dsl/dsl_packages/cutlass/_mlir/_mlir_libs/_cutlass_ir.cu13.cpython-312-x86_64-linux-gnu.so
-        xz -dc /tmp/fa4parts/rt.xz > $FA4/nvidia_cutlass_dsl/cu13/lib/libcute_dsl_runtime.so
-        PYTHONPATH="$FA4:$FA4/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH" run fa4 "${FA4_LIMIT:-240}" \
+    fa4|fa4-suite)  # FA4 carried in parts (.fa4a in one call, .fa4b in the next: see README), assembled
+      # once under /tmp/fa4site; fa4: the probe (FA4 against our interface); fa4-suite: the flash_attn
+      # backend suite and the FlashAttention-interface grid with FA4 as the provider
+      if [ ! -f /tmp/fa4site/.assembled ]; then
+        mkdir -p /tmp/fa4parts && cp .fa4a/* .fa4b/* /tmp/fa4parts/ 2>/dev/null
+        if [ -f /tmp/fa4parts/ir.xz.part-aa ] && [ -f /tmp/fa4parts/ir.xz.part-ab ]; then
+          FA4=/tmp/fa4site; mkdir -p $FA4 && tar xJf /tmp/fa4parts/small.tar.xz -C $FA4
+          cat /tmp/fa4parts/ir.xz.part-* | xz -d > $FA4/nvidia_cutlass_dsl/dsl_packages/cutlass/_mlir/_mlir_libs/_cutlass_ir.cu13.cpython-312-x86_64-linux-gnu.so
+          xz -dc /tmp/fa4parts/rt.xz > $FA4/nvidia_cutlass_dsl/cu13/lib/libcute_dsl_runtime.so
+          touch $FA4/.assembled
+        fi
+      fi
+      if [ ! -f /tmp/fa4site/.assembled ]; then echo "$s: FA4 parts missing: $(ls /tmp/fa4parts 2>/dev/null)" | tee -a "$summary"
+      elif [ "$s" = fa4 ]; then
+        PYTHONPATH="/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH" run fa4 "${FA4_LIMIT:-240}" \
           python scripts/fa4_probe.py --out "$LOGS/fa4.json"
-      else echo "fa4: parts missing: $(ls /tmp/fa4parts)" | tee -a "$summary"; fi ;;
+      else
+        PYTHONPATH="/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH" PAGEDATTN_FLASH_ATTN_PROVIDER=fa4 \
+          run fa4-suite "${FA4_LIMIT:-300}" python -m pytest tests/backend tests/gpu tests/backend_flash_attn \
+          tests/kernels/test_flash_attn_dao.py --backend flash_attn --device cuda -q -p no:cacheprovider \
+          -n "${WORKERS:-6}" --tb=short -rfEs --durations=10
+      fi ;;
     bench) run bench "${BLIMIT:-300}" python -m pagedattn bench kernels --quick --out "$LOGS/kernels" ;;
     torch-fp16|torch-bf16|triton-fp16|triton-bf16)
       run "$s" "${LIMIT:-240}" python -m pytest tests/backend tests/gpu --backend "${s%-*}" --dtype "${s#*-}" \
