@@ -76,6 +76,8 @@ def _install_recorders():
 CASES = {
     "decode_bf16_d128_split": dict(lens=[(39, 1), (8, 1)], heads=(32, 8), head_size=128,
                                    dtype=torch.bfloat16, splits=2),
+    "decode_bf16_d128_37_splits": dict(lens=[(900, 1)], heads=(8, 1), head_size=128,  # merged 16 at a time
+                                       dtype=torch.bfloat16, splits=37),
     "prefill_bf16_d128": dict(lens=[(40, 200)], heads=(32, 8), head_size=128,
                               dtype=torch.bfloat16),
     "prefill_fp16_d80_fp8e5_options": dict(lens=[(10, 90), (6, 1)], heads=(8, 2),
@@ -105,7 +107,8 @@ def _compile_case(case: str) -> dict:
                              head_size=c["head_size"], block_size=c.get("block_size", 16),
                              dtype=c["dtype"], kv_cache_dtype=c.get("kv_cache_dtype", "auto"),
                              device="cpu")
-        ws = K.SplitKVWorkspace.allocate(batch.num_tokens, num_heads, c["head_size"], 4, "cpu")
+        ws = K.SplitKVWorkspace.allocate(batch.num_tokens, num_heads, c["head_size"],
+                                         max(4, c.get("splits", 1)), "cpu")
         attend(kernel_args(batch), scale=0.1, workspace=ws, num_splits=c.get("splits"),
                sliding_window=c.get("sliding_window"), soft_cap=c.get("soft_cap"),
                alibi_slopes=torch.ones(num_heads) if c.get("alibi") else None)
