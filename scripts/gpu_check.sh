@@ -96,7 +96,8 @@ for s in $suites; do
           tests/kernels/test_flash_attn_dao.py --backend flash_attn --device cuda -q -p no:cacheprovider \
           -n "${WORKERS:-6}" --tb=short -rfEs --durations=10
       fi ;;
-    bench) run bench "${BLIMIT:-300}" python -m pagedattn bench kernels --quick --out "$LOGS/kernels" ;;
+    bench) run bench "${BLIMIT:-300}" python -m pagedattn bench kernels ${BENCH_ARGS:---quick} --out "$LOGS/kernels"  # e.g. BENCH_ARGS="--grid decode --splits 1,4,16,64,128"
+      sed -n "/^| case/,$p" "$LOGS/bench.log" | head -80 >> "$summary" ;;
     torch-fp16|torch-bf16|triton-fp16|triton-bf16)
       run "$s" "${LIMIT:-240}" python -m pytest tests/backend tests/gpu --backend "${s%-*}" --dtype "${s#*-}" \
         --device cuda -q -p no:cacheprovider -n 4 ;;
