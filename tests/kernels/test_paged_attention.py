@@ -211,3 +211,39 @@ def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="causal"):
         attend(args, scale=1.0, causal=False, sliding_window=4)
     assert bool(torch.isfinite(attend(args, scale=1.0)[0]).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_rows_whose_every_logit_is_below_minus_5e4(dtype, num_splits):
+    """FlashInfer once took a row's max below -5e4 for a masked row and returned zeros: every
+    logit here is -1e5 (keys all 1, queries all -1), so each row is the mean of its values."""
+    batch = make(SHAPES["mixed"], dtype=dtype)
+    batch.layout.kv(batch.kv_cache, 0).fill_(1.0)
+    for h in batch.hist_k:
+        h.fill_(1.0)
+    batch.key.fill_(1.0)
+    batch.query.fill_(-1.0)
+    scale = 1e5 / batch.head_size
+    ws = SplitKVWorkspace.allocate(batch.num_tokens, 4, 32, 4, DEVICE) if num_splits else None
+    out, lse = attend(kernel_args(batch), scale=scale, workspace=ws, num_splits=num_splits)
+    ref_out, ref_lse = batch.reference(scale=scale)
+    assert rel_l2(out, ref_out) <= TOL[dtype]
+    torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=1e-3, rtol=1e-6)
+    assert (lse < -9e4).all()
+
+
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_a_row_with_no_keys_is_zero_with_minus_inf_lse(num_splits):
+    """A sequence given 0 keys (a padded slot) attends to nothing: zeros and -inf, no NaN, and
+    the other rows keep their answers."""
+    batch = make(SHAPES["many_decodes"])
+    args = kernel_args(batch)
+    ws = SplitKVWorkspace.allocate(batch.num_tokens, 4, 32, 4, DEVICE) if num_splits else None
+    full, full_lse = attend(args, scale=0.3, workspace=ws, num_splits=num_splits)
+    args.seq_lens[2] = 0
+    out, lse = attend(args, scale=0.3, workspace=ws, num_splits=num_splits)
+    assert torch.equal(out[2], torch.zeros_like(out[2])) and (lse[2] == float("-inf")).all()
+    keep = [i for i in range(batch.num_tokens) if i != 2]
+    torch.testing.assert_close(out[keep], full[keep], atol=0, rtol=0)
+    torch.testing.assert_close(lse[keep], full_lse[keep], atol=0, rtol=0)
