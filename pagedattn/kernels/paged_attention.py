@@ -35,7 +35,7 @@ import triton.language as tl
 
 from ._common import (FLOAT_DTYPES, FP8_DTYPES, INTERPRET, check, check_tensor, next_pow2,
                       num_sms, scale_tensor)
-from .paged_attention_config import choose_num_splits, choose_tile
+from .paged_attention_config import choose_num_splits, choose_tile, forced_tile
 from .split_kv import SplitKVWorkspace, reduce_splits
 
 
@@ -296,6 +296,7 @@ def paged_attention(
     workspace: SplitKVWorkspace | None = None,
     kv_start_loc: torch.Tensor | None = None,
     num_splits: int | None = None,
+    tile: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """Attention of `query` over the paged cache, written into `out` (returned).
 
@@ -317,6 +318,8 @@ def paged_attention(
         launch is unsplit.
     kv_start_loc: [B+1] int32; sequence b's keys are rows kv_start_loc[b] + (0..seq_lens[b]-1).
     num_splits: force the split count (tests, tuning); needs a workspace when > 1.
+    tile: force (BLOCK_N keys per step, num_warps, num_stages) instead of the policy's
+        (`paged_attention_config.choose_tile`; tuning); the query tile stays the policy's.
     """
     check_tensor(query, "query", ndim=3, dtypes=FLOAT_DTYPES)
     device = query.device
@@ -381,8 +384,9 @@ def paged_attention(
         return out
 
     group = num_heads // num_kv_heads
-    tile = choose_tile(head_size=head_size, group=group, max_query_len=max_query_len,
-                       elem_bytes=query.element_size(), interpret=INTERPRET)
+    chosen = choose_tile(head_size=head_size, group=group, max_query_len=max_query_len,
+                         elem_bytes=query.element_size(), interpret=INTERPRET)
+    tile = chosen if tile is None else forced_tile(chosen, *tile, interpret=INTERPRET)
     limit = 1 if workspace is None else workspace.splits_for(num_tokens, num_heads, head_size)
     if num_splits is None:
         num_splits = 1 if limit < 2 else choose_num_splits(

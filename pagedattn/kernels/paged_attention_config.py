@@ -15,7 +15,7 @@ Two regimes, chosen by the step's largest query length:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pagedattn.intmath import cdiv
 
@@ -75,6 +75,22 @@ def choose_tile(*, head_size: int, group: int, max_query_len: int, elem_bytes: i
         num_warps, num_stages = 1, 1
     block_q = max(1, block_m // group)
     return AttentionTile(block_q, block_m, block_n, num_warps, num_stages)
+
+
+def forced_tile(tile: AttentionTile, block_n: int, num_warps: int, num_stages: int, *,
+                interpret: bool) -> AttentionTile:
+    """`tile` with a caller's (BLOCK_N, num_warps, num_stages) for tuning runs; refused with the
+    reason when Triton could not launch it (under the interpreter warps and stages stay 1)."""
+    for name, value, ok, expect in (
+            ("block_n", block_n, block_n >= 16 and block_n & (block_n - 1) == 0 and block_n <= 256,
+             "a power of two in 16..256"),
+            ("num_warps", num_warps, num_warps in (1, 2, 4, 8, 16), "1, 2, 4, 8 or 16"),
+            ("num_stages", num_stages, 1 <= num_stages <= 8, "1..8")):
+        if not ok:
+            raise ValueError(f"expected tile {name} {expect}, got {value}")
+    if interpret:
+        num_warps, num_stages = 1, 1
+    return replace(tile, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
 
 
 def choose_num_splits(*, num_seqs: int, num_kv_heads: int, max_query_len: int,

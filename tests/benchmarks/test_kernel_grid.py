@@ -171,10 +171,12 @@ def test_arguments_select_cases_and_providers():
     assert args.providers == ["raw", "sdpa"]
     assert len(parse_args(["--grid", "prefill,mixed"], "p").cases) == 18 + 3
     assert parse_args(["--splits", "16,1, 4,16"], "p").splits == [1, 4, 16]
+    assert parse_args(["--tiles", "64x4x3,128X8x2"], "p").tiles == [(64, 4, 3), (128, 8, 2)]
 
 
 @pytest.mark.parametrize("argv", [["--backend", "nope"], ["--grid", "nope"], ["--match", "no such case"],
-                                  ["--splits", "4,x"], ["--splits", "0"]])
+                                  ["--splits", "4,x"], ["--splits", "0"], ["--tiles", "64x4"],
+                                  ["--tiles", "64xfourx3"]])
 def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         parse_args(argv, "p")

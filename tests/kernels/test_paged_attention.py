@@ -247,3 +247,17 @@ def test_a_row_with_no_keys_is_zero_with_minus_inf_lse(num_splits):
     keep = [i for i in range(batch.num_tokens) if i != 2]
     torch.testing.assert_close(out[keep], full[keep], atol=0, rtol=0)
     torch.testing.assert_close(lse[keep], full_lse[keep], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("tile", [(16, 4, 2), (32, 4, 3), (128, 8, 2)])
+@pytest.mark.parametrize("shape", ["many_decodes", "mixed"])
+def test_forced_tiles_agree(tile, shape):
+    """`tile=(keys per step, warps, stages)` (tuning runs, `bench kernels --tiles`) changes
+    speed only."""
+    check_against_oracle(make(SHAPES[shape], block_size=5), tile=tile)
+
+
+@pytest.mark.parametrize("tile", [(48, 4, 2), (8, 4, 2), (64, 3, 2), (64, 4, 0)])
+def test_forced_tile_refused_with_the_reason(tile):
+    with pytest.raises(ValueError, match="expected tile"):
+        attend(kernel_args(make(SHAPES["single_decode"])), scale=1.0, tile=tile)

@@ -1,13 +1,14 @@
 """Paged-attention kernels and backends against FlashInfer and dense SDPA, on the same data (GPU).
 
 `pagedattn bench kernels [--grid G[,G...]] [--backend P[,P...]] [--quick] [--match TEXT]
-[--splits N[,N...]] [--out DIR]`
+[--splits N[,N...]] [--tiles KxWxS[,...]] [--out DIR]`
 
 Per case (cases.py: decode, long, prefill, chunked, mixed, graph grids), in one process on one
 set of tensors (shuffled pages, bf16 queries, bf16 or FP8 e4m3 KV), rows for:
 - every available registered backend through the contract (`impl.forward`, store included);
 - `raw`: our kernels called directly (`store_kv` + one `paged_attention` launch); with
-  `--splits`, also `raw-s<N>`: the same with the split-KV count forced to N (to tune the policy);
+  `--splits`, also `raw-s<N>`: the same with the split-KV count forced to N, and with `--tiles`
+  `raw-n<K>w<W>s<S>`: with K keys per step, W warps and S pipeline stages (to tune the policies);
 - `flashinfer-raw`: FlashInfer's wrappers called directly, with its `append_paged_kv_cache`
   (bf16) or our `store_kv` (FP8) so it stores what the contract stores; always run when
   FlashInfer imports, since it is the reference of the speed and error columns;
@@ -55,9 +56,13 @@ def parse_args(argv: list[str] | None, prog: str | None) -> argparse.Namespace:
     parser.add_argument("--splits", default="",
                         help="comma list of split-KV counts: a raw-s<N> row each, our kernels "
                              "with the split count forced")
+    parser.add_argument("--tiles", default="",
+                        help="comma list of KEYSxWARPSxSTAGES (e.g. 64x4x3,128x8x2): a raw-n<K>w<W>s<S> row "
+                             "each, our kernels with that tile")
     parser.add_argument("--out", default="kernel_bench", type=Path,
                         help="folder for results.json/.csv/.md and roofline.png (default: kernel_bench)")
     args = parser.parse_args(argv)
+    args.tiles_text = args.tiles
     args.grids = _names(args.grid)
     try:
         args.cases = select(args.grids, args.quick)
@@ -74,6 +79,12 @@ def parse_args(argv: list[str] | None, prog: str | None) -> argparse.Namespace:
         parser.error(f"expected --splits as comma-separated integers, got {args.splits!r}")
     if any(n < 1 for n in args.splits):  # above the workspace's cap, a row says so
         parser.error(f"expected --splits counts >= 1, got {args.splits}")
+    try:
+        args.tiles = [tuple(int(x) for x in t.lower().split("x")) for t in _names(args.tiles)]
+    except ValueError:
+        args.tiles = [()]
+    if any(len(t) != 3 for t in args.tiles):
+        parser.error(f"expected --tiles as KEYSxWARPSxSTAGES items (e.g. 64x4x3), got {args.tiles_text!r}")
     args.providers = _names(args.backend) if args.backend else None
     bad = [n for n in args.providers or [] if n not in valid]
     if bad:
@@ -91,5 +102,5 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         print(f"{prog}: needs the {exc.name!r} package, which is not installed", file=sys.stderr)
         return 2
     run_suite(args.cases, args.providers, args.out, list(argv if argv is not None else sys.argv[1:]),
-              args.splits)
+              args.splits, args.tiles)
     return 0

@@ -2,7 +2,8 @@
 launch for the whole step (prefills and decodes together), with the split-KV scratch every
 backend shares (`shared_workspace`). Ragged cases read the step's contiguous K/V
 (`kv_start_loc`) and store nothing. `num_splits` forces the split-KV count (the `raw-s<N>` rows
-of `--splits`, to tune the split policy against); None lets the policy choose."""
+of `--splits`) and `tile` the (keys per step, warps, stages) of the launch (the `raw-n<K>w<W>s<S>`
+rows of `--tiles`), to tune the policies against; None lets the policy choose."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from .step import NotApplicable, Step
 from .workload import InputSet, Workload
 
 
-def prepare_raw(w: Workload, num_splits: int | None = None) -> Step:
+def prepare_raw(w: Workload, num_splits: int | None = None, tile: tuple[int, int, int] | None = None) -> Step:
     c = w.case
     ws = shared_workspace(w.device, c.num_heads, c.num_kv_heads, c.head_size)
     max_seq_len = max(c.seq_lens)
@@ -31,7 +32,8 @@ def prepare_raw(w: Workload, num_splits: int | None = None) -> Step:
                         block_tables=tables, max_query_len=c.max_query_len, max_seq_len=max_seq_len,
                         scale=w.scale, causal=True, sliding_window=c.sliding_window,
                         alibi_slopes=w.alibi_slopes, soft_cap=c.soft_cap, k_scale=w.k_scale,
-                        v_scale=w.v_scale, workspace=ws, kv_start_loc=kv_start, num_splits=num_splits)
+                        v_scale=w.v_scale, workspace=ws, kv_start_loc=kv_start, num_splits=num_splits,
+                        tile=tile)
 
     return Step([lambda s=s: call(s) for s in w.sets], lambda: w.sets[0].out,
                 store="store_kv" if c.paged else "-")

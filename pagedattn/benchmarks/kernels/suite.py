@@ -46,10 +46,11 @@ class Provider:
     prepare: Callable  # (workload, graph: bool) -> Step
 
 
-def providers(selection: list[str] | None, splits: list[int] = ()) -> tuple[list[Provider], list[str]]:
+def providers(selection: list[str] | None, splits: list[int] = (),
+              tiles: list[tuple[int, int, int]] = ()) -> tuple[list[Provider], list[str]]:
     """The providers to run (flashinfer-raw always: it is the reference of the speed and error
     columns), and one line per registered backend that cannot run here; `splits` adds one
-    `raw-s<N>` row per forced split count."""
+    `raw-s<N>` row per forced split count, `tiles` one `raw-n<K>w<W>s<S>` row per forced tile."""
     statuses = pagedattn.list_backends()
     wanted = set(selection or [])
     if "sdpa" in wanted:
@@ -60,6 +61,8 @@ def providers(selection: list[str] | None, splits: list[int] = ()) -> tuple[list
 
     out = [Provider(RAW, "raw", lambda w, graph: prepare_raw(w))] if on(RAW) else []
     out += [Provider(f"{RAW}-s{n}", "raw", lambda w, graph, n=n: prepare_raw(w, n)) for n in splits]
+    out += [Provider(f"{RAW}-n{t[0]}w{t[1]}s{t[2]}", "raw", lambda w, graph, t=t: prepare_raw(w, tile=t))
+            for t in tiles]
     out.append(Provider(FLASHINFER_RAW, "peer", prepare_flashinfer))
     unavailable = [f"{s.name}: {'; '.join(s.reasons)}" for s in statuses if not s.available and on(s.name)]
     names = [s.name for s in statuses if s.available and on(s.name)]
@@ -154,10 +157,10 @@ def run_case(case: Case, plist: list[Provider], ceilings: dict, flusher: Flusher
 
 
 def run_suite(cases: list[Case], selection: list[str] | None, out_dir: Path, argv: list[str],
-              splits: list[int] = ()) -> dict:
+              splits: list[int] = (), tiles: list[tuple[int, int, int]] = ()) -> dict:
     """Measure the ceilings, run every case, write the files under `out_dir`; returns the report."""
     device = torch.device("cuda")
-    plist, unavailable = providers(selection, splits)
+    plist, unavailable = providers(selection, splits, tiles)
     report = dict(environment=environment(device), arguments=argv, unavailable=unavailable,
                   providers=[p.name for p in plist], rows=[])
     out_dir.mkdir(parents=True, exist_ok=True)
