@@ -14,6 +14,7 @@ Two regimes, chosen by the step's largest query length:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -109,12 +110,18 @@ def choose_num_splits(*, num_seqs: int, num_kv_heads: int, max_query_len: int,
     tiles = cdiv(max(1, max_seq_len), block_n)
     if max_splits <= 1 or programs >= FILL_SHARE * num_sms or tiles < MIN_TILES_TO_SPLIT:
         return 1
+    return _wave_efficient_splits(programs, tiles, num_sms, max_splits)
+
+
+@functools.lru_cache(maxsize=4096)
+def _wave_efficient_splits(programs: int, tiles: int, num_sms: int, max_splits: int) -> int:
+    """The rule's search over split counts; cached, since every layer of a step asks the same
+    question (and the tile count changes only every BLOCK_N keys)."""
     limit = min(max_splits, num_sms, tiles)
-    candidates = [s for s in range(1, limit + 1) if s == 1 or cdiv(tiles, s) != cdiv(tiles, s - 1)]
-
-    def efficiency(splits: int) -> float:
-        waves = programs * splits / num_sms
-        return waves / math.ceil(waves)
-
-    best = max(efficiency(s) for s in candidates)
-    return next(s for s in candidates if efficiency(s) >= EFFICIENCY_SLACK * best)
+    efficiency = {}
+    for s in range(1, limit + 1):
+        if s == 1 or cdiv(tiles, s) != cdiv(tiles, s - 1):
+            waves = programs * s / num_sms
+            efficiency[s] = waves / math.ceil(waves)
+    best = max(efficiency.values())
+    return next(s for s, e in efficiency.items() if e >= EFFICIENCY_SLACK * best)

@@ -62,7 +62,6 @@ def parse_args(argv: list[str] | None, prog: str | None) -> argparse.Namespace:
     parser.add_argument("--out", default="kernel_bench", type=Path,
                         help="folder for results.json/.csv/.md and roofline.png (default: kernel_bench)")
     args = parser.parse_args(argv)
-    args.tiles_text = args.tiles
     args.grids = _names(args.grid)
     try:
         args.cases = select(args.grids, args.quick)
@@ -79,12 +78,12 @@ def parse_args(argv: list[str] | None, prog: str | None) -> argparse.Namespace:
         parser.error(f"expected --splits as comma-separated integers, got {args.splits!r}")
     if any(n < 1 for n in args.splits):  # above the workspace's cap, a row says so
         parser.error(f"expected --splits counts >= 1, got {args.splits}")
-    try:
-        args.tiles = [tuple(int(x) for x in t.lower().split("x")) for t in _names(args.tiles)]
-    except ValueError:
-        args.tiles = [()]
-    if any(len(t) != 3 for t in args.tiles):
-        parser.error(f"expected --tiles as KEYSxWARPSxSTAGES items (e.g. 64x4x3), got {args.tiles_text!r}")
+    text, args.tiles = args.tiles, []
+    for item in _names(text):
+        parts = item.lower().split("x")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            parser.error(f"expected --tiles as KEYSxWARPSxSTAGES items (e.g. 64x4x3), got {item!r}")
+        args.tiles.append(tuple(int(p) for p in parts))
     args.providers = _names(args.backend) if args.backend else None
     bad = [n for n in args.providers or [] if n not in valid]
     if bad:
