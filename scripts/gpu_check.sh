@@ -2,7 +2,7 @@
 # One call on the GPU machine: the backend suites on CUDA, kernel GPU tests, CUDA graphs and
 # the kernel benchmark. $OUT (or ./gpu_out) gets summary.txt and logs.tgz (every log, refreshed
 # after each suite: the machine returns at most 8 files). Usage:
-#   bash scripts/gpu_check.sh [suite ...]      suites: torch triton flashinfer kernels bench engine fi-fixed engine-fixed
+#   bash scripts/gpu_check.sh [suite ...]      a+b runs suites a and b at once (e.g. fi-fixed+ours); suites: torch triton flashinfer kernels bench engine fi-fixed engine-fixed
 #                                              backends overhead engine-bench engine-bench-fi
 #                                              engine-bench-full (SHAPE=llama3-8b by default) ...
 #
@@ -30,35 +30,36 @@ run() {  # name, time limit (s), command...
   timeout -s INT -k 30 "$limit" "$@" > "$LOGS/$name.log" 2>&1  # INT: pytest still reports
   local rc=$?
   echo "$name rc=$rc $((SECONDS - start))s: $(grep -E '^(=+ )?[0-9]+ (passed|failed)|passed|failed|error|fi_jit' "$LOGS/$name.log" | tail -1)" | tee -a "$summary"
-  tar czf "$OUT/logs.tgz" -C "$LOGS" .
+  tar czf "$OUT/logs.$BASHPID.tgz" -C "$LOGS" . && mv -f "$OUT/logs.$BASHPID.tgz" "$OUT/logs.tgz"  # suites may run at once
 }
 
-for d in .fi-aot .fi-aot2; do  # two folders: all 41 modules (41 MiB) and .peers do not fit one call
+[ "${FI_INSTALL:-1}" = 1 ] && for d in .fi-aot .fi-aot2; do  # two folders: all 41 modules (41 MiB) and .peers do not fit one call
   ls $d/fi-aot-*.tar > /dev/null 2>&1 && run "fi-install${d#.fi-aot}" 120 python scripts/fi_jit.py install $d
 done
 python -m pagedattn info > "$LOGS/info.log" 2>&1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$LOGS/info.log"
-for s in $suites; do
+suite() {
+  local s=$1
   case $s in
     torch|triton|flash_attn|flashinfer|xformers)
       run "$s" "${LIMIT:-240}" python -m pytest tests/backend tests/gpu $([ "$s" = flashinfer ] && echo tests/backend_flashinfer) \
         $([ "$s" = xformers ] && echo tests/backend_xformers) \
         --backend "$s" --device cuda -q -p no:cacheprovider -n "${WORKERS:-4}" --tb=short -rfEs ;;
     ours)  # every backend on our kernels (and torch), one run: the workers share Triton's compile cache
-      run ours "${LIMIT:-330}" python -m pytest tests/backend tests/gpu tests/backend_xformers \
-        --backend torch,triton,flash_attn,xformers --device cuda -q -p no:cacheprovider -n "${WORKERS:-6}" \
+      run ours "${LIMIT:-430}" python -m pytest tests/backend tests/gpu tests/backend_xformers tests/backend_flash_attn \
+        --backend torch,triton,flash_attn,xformers --device cuda -q -p no:cacheprovider -n "${WORKERS:-8}" \
         --tb=short -rfEs --durations=20 ;;
     fi-fixed)  # the flashinfer tests changed since the last full run (planning through set_layers)
-      run fi-fixed "${LIMIT:-150}" python -m pytest tests/backend_flashinfer/test_fi_planning.py \
+      run fi-fixed "${FLIMIT:-150}" python -m pytest tests/backend_flashinfer/test_fi_planning.py \
         tests/backend_flashinfer/test_fi_options.py --backend flashinfer --device cuda -q -p no:cacheprovider \
         -n 4 --tb=short -rfEs ;;
     engine-fixed)  # the engine/model tests changed since the last CUDA run
       run engine-fixed "${ELIMIT:-200}" python -m pytest tests/models/test_whisper.py tests/models/test_gguf_families.py \
         tests/engine/test_encoder_decoder.py tests/engine/test_pool_sizing.py --backend triton --device cuda -q \
-        -p no:cacheprovider -n "${WORKERS:-6}" --tb=short -rfEs ;;
+        -p no:cacheprovider -n 4 --tb=short -rfEs ;;
     kernels) run kernels "${KLIMIT:-150}" python -m pytest tests/kernels/test_kernels_gpu.py -q -p no:cacheprovider ;;
     kernels-all) run kernels-all "${KLIMIT:-240}" python -m pytest tests/kernels --device cuda -q -p no:cacheprovider \
-        -n "${WORKERS:-4}" --tb=short -rfEs ;;
+        -n "${WORKERS:-6}" --tb=short -rfEs ;;
     xformers-details) XFORMERS_MORE_DETAILS=1 run xformers-details 60 python -c "import xformers.ops.fmha as f; \
         print({op.NAME: op.is_available() for op in (f.cutlass.FwOp, f.triton_splitk.FwOp, f.flash.FwOp)})" ;;
     fi-bg)  # the build in the background (a new session outlives this call on a warm machine)
@@ -104,7 +105,7 @@ for s in $suites; do
     engine) run engine "${ELIMIT:-300}" python -m pytest tests/engine tests/models --backend triton --device cuda -q \
         -p no:cacheprovider -n "${WORKERS:-4}" --tb=short -rfEs ;;
     encdec) run encdec "${ELIMIT:-200}" python -m pytest tests/engine/test_encoder_decoder.py tests/engine/test_whisper.py \
-        --backend xformers,flash_attn --device cuda -q -p no:cacheprovider -n "${WORKERS:-4}" --tb=short -rfEs ;;
+        --backend xformers,flash_attn --device cuda -q -p no:cacheprovider -n 4 --tb=short -rfEs ;;
     fi-record) FI_JIT_RECORD="$PWD/fi_jit_record.tsv" run fi-record "${LIMIT:-200}" python -m pytest tests/backend \
         tests/gpu tests/backend_flashinfer --backend flashinfer --device cuda -q -p no:cacheprovider -p fi_jit -n 8
       cp fi_jit_record.tsv "$LOGS/" 2>/dev/null ;;
@@ -126,7 +127,14 @@ for s in $suites; do
       [ "$s" = engine-bench-full ] && args=(--model-shape "${SHAPE:-llama3-8b}" --backend triton)
       run "$s" "${LIMIT:-590}" python -m pagedattn bench engine "${args[@]}" --out "$LOGS/$s"
       sed -n '/^shape /,/^wrote /p' "$LOGS/$s.log" >> "$summary" ;;
+    *) echo "unknown suite $s" | tee -a "$summary" ;;
   esac
+}
+
+for group in $suites; do
+  IFS=+ read -ra parts <<< "$group"
+  for p in "${parts[@]}"; do suite "$p" & done
+  wait
 done
 cat "$LOGS/info.log"
 echo "----"
