@@ -2,7 +2,7 @@
 # One call on the GPU machine: the backend suites on CUDA, kernel GPU tests, CUDA graphs and
 # the kernel benchmark. $OUT (or ./gpu_out) gets summary.txt and logs.tgz (every log, refreshed
 # after each suite: the machine returns at most 8 files). Usage:
-#   bash scripts/gpu_check.sh [suite ...]      a+b runs suites a and b at once (e.g. fi-fixed+ours); suites: torch triton flashinfer kernels bench engine fi-fixed engine-fixed
+#   bash scripts/gpu_check.sh [suite ...]      a+b runs suites a and b at once (e.g. fi-fixed+ours); suites: torch triton flashinfer kernels bench engine fi-fixed engine-fixed pool-sizing
 #                                              backends overhead engine-bench engine-bench-fi
 #                                              engine-bench-full (SHAPE=llama3-8b by default) ...
 #
@@ -27,9 +27,10 @@ summary="$OUT/summary.txt"  # appended to: several invocations in one call share
 run() {  # name, time limit (s), command...
   local name=$1 limit=$2; shift 2
   local start=$SECONDS
-  timeout -s INT -k 30 "$limit" "$@" > "$LOGS/$name.log" 2>&1  # INT: pytest still reports
+  PAGEDATTN_FAIL_LOG="$LOGS/$name.failures" timeout -s INT -k 30 "$limit" "$@" > "$LOGS/$name.log" 2>&1  # INT: pytest still reports
   local rc=$?
   echo "$name rc=$rc $((SECONDS - start))s: $(grep -E '^(=+ )?[0-9]+ (passed|failed)|passed|failed|error|fi_jit' "$LOGS/$name.log" | tail -1)" | tee -a "$summary"
+  [ -f "$LOGS/$name.failures" ] && grep '^=== ' "$LOGS/$name.failures" | head -20 | tee -a "$summary"  # kept when cut short
   tar czf "$OUT/logs.$BASHPID.tgz" -C "$LOGS" . && mv -f "$OUT/logs.$BASHPID.tgz" "$OUT/logs.tgz"  # suites may run at once
 }
 
@@ -55,8 +56,11 @@ suite() {
         -n 4 --tb=short -rfEs ;;
     engine-fixed)  # the engine/model tests changed since the last CUDA run
       run engine-fixed "${ELIMIT:-200}" python -m pytest tests/models/test_whisper.py tests/models/test_gguf_families.py \
-        tests/engine/test_encoder_decoder.py tests/engine/test_pool_sizing.py --backend triton --device cuda -q \
-        -p no:cacheprovider -n 4 --tb=short -rfEs ;;
+        tests/engine/test_encoder_decoder.py --backend triton --device cuda -q \
+        -p no:cacheprovider -n 3 --tb=short -rfEs ;;
+    pool-sizing)  # alone: it sizes a KV pool to 90% of the free GPU memory, which starves suites beside it
+      run pool-sizing 120 python -m pytest tests/engine/test_pool_sizing.py --backend triton --device cuda -q \
+        -p no:cacheprovider --tb=short -rfEs ;;
     kernels) run kernels "${KLIMIT:-150}" python -m pytest tests/kernels/test_kernels_gpu.py -q -p no:cacheprovider ;;
     kernels-all) run kernels-all "${KLIMIT:-240}" python -m pytest tests/kernels --device cuda -q -p no:cacheprovider \
         -n "${WORKERS:-6}" --tb=short -rfEs ;;

@@ -15,6 +15,8 @@ oracle.py (`tolerance_for`).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -60,6 +62,15 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "cuda_only: needs --device cuda (cross-device cache operations, graphs)")
     config.stash[_STATUS] = _selected_backends(config.getoption("--backend"))
+
+
+def pytest_runtest_logreport(report):
+    """PAGEDATTN_FAIL_LOG=path: every failure appended to path when it happens, not only in the
+    summary at the end (a GPU run cut by its time limit keeps its failures)."""
+    path = os.environ.get("PAGEDATTN_FAIL_LOG")
+    if path and report.failed and getattr(report, "node", None) is None:  # xdist: the worker's copy
+        with open(path, "a") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
 
 
 def pytest_generate_tests(metafunc):

@@ -56,8 +56,8 @@ def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=Non
         left = right = None
     if causal:
         right = 0
-    out = torch.zeros(q.shape, dtype=torch.float32)
-    lse = torch.full((hq, q.shape[0]), float("-inf"))
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full((hq, q.shape[0]), float("-inf"), device=q.device)
     for b in range(num_seqs):
         if page_table is not None:
             n = int(seqused_k[b]) if seqused_k is not None else page_table.shape[1] * k.shape[1]
@@ -77,8 +77,9 @@ def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=Non
         s = torch.einsum("qhd,khd->hqk", qb, keys) * scale
         if softcap:
             s = softcap * torch.tanh(s / softcap)
-        rel = torch.arange(lk)[None, :] - (torch.arange(lq) + lk - lq)[:, None]  # key - query position
-        keep = torch.ones(lq, lk, dtype=torch.bool)
+        rel = (torch.arange(lk, device=q.device)[None, :]
+               - (torch.arange(lq, device=q.device) + lk - lq)[:, None])  # key - query position
+        keep = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
         if right is not None:
             keep &= rel <= right
         if left is not None:

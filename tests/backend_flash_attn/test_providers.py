@@ -126,20 +126,21 @@ def test_block_sizes_the_provider_lacks_are_refused(backend_on_fa4, monkeypatch)
     BACKEND.get_builder_cls()(512, "cpu")
 
 
-def test_a_mixed_step_on_fa4_matches_the_torch_backend(backend_on_fa4):
-    """Fresh prompt, chunk over a cached prefix, decodes: through FA4 (the fake) and torch."""
+def test_a_mixed_step_on_fa4_matches_the_torch_backend(backend_on_fa4, device):
+    """Fresh prompt, chunk over a cached prefix, decodes: through FA4 (the fake) and torch, on
+    the suite's device (the store is a Triton kernel: CUDA tensors where CUDA runs it)."""
     seqs = [pagedattn.ScheduledSeq(20, 20, [4, 1]), pagedattn.ScheduledSeq(40, 8, [0, 2, 5]),
             pagedattn.ScheduledSeq(18, 1, [3, 6]), pagedattn.ScheduledSeq(9, 1, [7])]
     hq, hkv, d, bs, dtype = 4, 2, 64, 16, torch.bfloat16
     g = torch.Generator().manual_seed(0)
     t = 20 + 8 + 1 + 1
-    q = torch.randn(t, hq * d, generator=g).to(dtype)
-    k, v = (torch.randn(t, hkv * d, generator=g).to(dtype) for _ in range(2))
-    cache0 = torch.randn(2, 8, bs, hkv, d, generator=g).to(dtype)  # prefixes already cached
+    q = torch.randn(t, hq * d, generator=g).to(device, dtype)
+    k, v = (torch.randn(t, hkv * d, generator=g).to(device, dtype) for _ in range(2))
+    cache0 = torch.randn(2, 8, bs, hkv, d, generator=g).to(device, dtype)  # prefixes already cached
     outs = {}
     for name in ("flash_attn", "torch"):
         backend = pagedattn.get_backend(name)
-        md = backend.get_builder_cls()(bs, "cpu").build(seqs)
+        md = backend.get_builder_cls()(bs, device).build(seqs)
         impl = backend.get_impl_cls()(hq, d, d ** -0.5, hkv, sliding_window=24, logits_soft_cap=30.0)
         cache = cache0.clone().view(backend.get_kv_cache_shape(8, bs, hkv, d))
         outs[name] = impl.forward(q, k, v, cache, md)
