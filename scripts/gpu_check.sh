@@ -2,7 +2,7 @@
 # One call on the GPU machine: the backend suites on CUDA, kernel GPU tests, CUDA graphs and
 # the kernel benchmark. $OUT (or ./gpu_out) gets summary.txt and logs.tgz (every log, refreshed
 # after each suite: the machine returns at most 8 files). Usage:
-#   bash scripts/gpu_check.sh [suite ...]      a+b runs suites a and b at once (e.g. fi-fixed+ours); suites: torch triton flashinfer kernels bench engine fi-fixed engine-fixed pool-sizing
+#   bash scripts/gpu_check.sh [suite ...]      a+b runs suites a and b at once (e.g. fi-fixed+ours); suites: torch triton flashinfer kernels bench engine fi-fixed engine-fixed pool-sizing fa-interface whisper
 #                                              backends overhead engine-bench engine-bench-fi
 #                                              engine-bench-full (SHAPE=llama3-8b by default) ...
 #
@@ -58,6 +58,12 @@ suite() {
       run engine-fixed "${ELIMIT:-200}" python -m pytest tests/models/test_whisper.py tests/models/test_gguf_families.py \
         tests/engine/test_encoder_decoder.py --backend triton --device cuda -q \
         -p no:cacheprovider -n 3 --tb=short -rfEs ;;
+    fa-interface)  # FlashAttention's API on our kernels (and against Dao-AILab's where installed), the provider tests
+      run fa-interface "${KLIMIT:-300}" python -m pytest tests/kernels/test_flash_attn_interface.py \
+        tests/kernels/test_flash_attn_dao.py tests/backend_flash_attn --backend flash_attn --device cuda -q \
+        -p no:cacheprovider -n "${WORKERS:-12}" --tb=short -rfEs --durations=15 ;;
+    whisper) run whisper "${ELIMIT:-200}" python -m pytest tests/models/test_whisper.py --backend torch,triton \
+        --device cuda -q -p no:cacheprovider -n 2 --tb=short -rfEs ;;
     pool-sizing)  # alone: it sizes a KV pool to 90% of the free GPU memory, which starves suites beside it
       run pool-sizing 120 python -m pytest tests/engine/test_pool_sizing.py --backend triton --device cuda -q \
         -p no:cacheprovider --tb=short -rfEs ;;

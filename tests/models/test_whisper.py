@@ -28,6 +28,14 @@ WINDOW = 2 * TINY_WHISPER_CONFIG["max_source_positions"]  # frames
 VARIANTS = {"tied": {}, "untied": dict(tie_word_embeddings=False)}
 
 
+@pytest.fixture(autouse=True)
+def _full_float32():
+    """float32 as float32 on both sides: cuDNN runs convolutions in TF32 unless told not to
+    (PyTorch's default), a 10-bit mantissa that this comparison at 1e-4 must not see."""
+    with torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, allow_tf32=False):
+        yield
+
+
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def checkpoint(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"whisper_{request.param}")
