@@ -57,19 +57,20 @@ suite() {
     engine-fixed)  # the engine/model tests changed since the last CUDA run
       run engine-fixed "${ELIMIT:-200}" python -m pytest tests/models/test_whisper.py tests/models/test_gguf_families.py \
         tests/engine/test_encoder_decoder.py --backend triton --device cuda -q \
-        -p no:cacheprovider -n 3 --tb=short -rfEs ;;
+        -p no:cacheprovider -n 3 --tb=short -rfEs --durations=15 ;;
     fa-interface)  # FlashAttention's API on our kernels (and against Dao-AILab's where installed), the provider tests
       run fa-interface "${KLIMIT:-300}" python -m pytest tests/kernels/test_flash_attn_interface.py \
         tests/kernels/test_flash_attn_dao.py tests/backend_flash_attn --backend flash_attn --device cuda -q \
         -p no:cacheprovider -n "${WORKERS:-12}" --tb=short -rfEs --durations=15 ;;
-    whisper) run whisper "${ELIMIT:-200}" python -m pytest tests/models/test_whisper.py --backend torch,triton \
+    whisper) # carry .peers: loading a model needs gguf (the [hf] extra), which the GPU image lacks
+      run whisper "${ELIMIT:-200}" python -m pytest tests/models/test_whisper.py --backend torch,triton \
         --device cuda -q -p no:cacheprovider -n 2 --tb=short -rfEs ;;
     pool-sizing)  # alone: it sizes a KV pool to 90% of the free GPU memory, which starves suites beside it
       run pool-sizing 120 python -m pytest tests/engine/test_pool_sizing.py --backend triton --device cuda -q \
         -p no:cacheprovider --tb=short -rfEs ;;
     kernels) run kernels "${KLIMIT:-150}" python -m pytest tests/kernels/test_kernels_gpu.py -q -p no:cacheprovider ;;
     kernels-all) run kernels-all "${KLIMIT:-240}" python -m pytest tests/kernels --device cuda -q -p no:cacheprovider \
-        -n "${WORKERS:-6}" --tb=short -rfEs ;;
+        -n "${WORKERS:-6}" --tb=short -rfEs --durations=15 ;;
     xformers-details) XFORMERS_MORE_DETAILS=1 run xformers-details 60 python -c "import xformers.ops.fmha as f; \
         print({op.NAME: op.is_available() for op in (f.cutlass.FwOp, f.triton_splitk.FwOp, f.flash.FwOp)})" ;;
     fi-bg)  # the build in the background (a new session outlives this call on a warm machine)
@@ -115,7 +116,7 @@ suite() {
     engine) run engine "${ELIMIT:-300}" python -m pytest tests/engine tests/models --backend triton --device cuda -q \
         -p no:cacheprovider -n "${WORKERS:-4}" --tb=short -rfEs ;;
     encdec) run encdec "${ELIMIT:-200}" python -m pytest tests/engine/test_encoder_decoder.py tests/engine/test_whisper.py \
-        --backend xformers,flash_attn --device cuda -q -p no:cacheprovider -n 4 --tb=short -rfEs ;;
+        --backend xformers,flash_attn --device cuda -q -p no:cacheprovider -n 4 --tb=short -rfEs --durations=15 ;;
     fi-record) FI_JIT_RECORD="$PWD/fi_jit_record.tsv" run fi-record "${LIMIT:-200}" python -m pytest tests/backend \
         tests/gpu tests/backend_flashinfer --backend flashinfer --device cuda -q -p no:cacheprovider -p fi_jit -n 8
       cp fi_jit_record.tsv "$LOGS/" 2>/dev/null ;;

@@ -145,7 +145,7 @@ def test_a_mixed_step_on_fa4_matches_the_torch_backend(backend_on_fa4, device):
         cache = cache0.clone().view(backend.get_kv_cache_shape(8, bs, hkv, d))
         outs[name] = impl.forward(q, k, v, cache, md)
     groups = [(0, 20), (20, 28), (28, 29), (29, 30)]
-    assert_attention_close(outs["flash_attn"].view(t, hq, d), outs["torch"].view(t, hq, d).double(),
+    assert_attention_close(outs["flash_attn"].view(t, hq, d), outs["torch"].view(t, hq, d).double().cpu(),
                            tolerance_for(dtype), groups)
     assert [c["q_shape"] for c in fake_fa4.calls[-2:]] == [(28, hq, d), (2, 1, hq, d)], "prefill part, decode part"
     assert fake_fa4.calls[-2]["page_table"] is not None, "a chunk over a cached prefix reads the pages"
