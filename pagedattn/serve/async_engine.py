@@ -52,7 +52,9 @@ class AsyncEngine:
         self.metrics.observe_engine(self.engine.stats())
 
     async def stop(self) -> None:
-        """Stop the loop; a step in flight runs to its end first."""
+        """Stop the loop; a step in flight runs to its end first. The engine is let go: FastAPI
+        caches route functions process-wide, so an app (whose routes reach this object) outlives
+        its server, and must not keep a model and its KV pool in memory."""
         if self._task is not None:
             self._task.cancel()
             try:
@@ -60,11 +62,13 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
         self._executor.shutdown(wait=True)
+        self.dead = self.dead or "the server has stopped"
+        self.engine = None
 
     @property
     def is_idle(self) -> bool:
         """No request queued, running or waiting for a command (the loop is parked)."""
-        return not self._commands and not self._streams and not self.engine.has_unfinished()
+        return not self._commands and not self._streams and (self.engine is None or not self.engine.has_unfinished())
 
     # ------------------------------------------------------------------ requests
 

@@ -216,3 +216,18 @@ def test_failed_step_is_503_and_server_stays_up(loaded, device):
         with pytest.raises(openai.InternalServerError):
             s.client().completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2)
         assert httpx.get(f"{s.url}/metrics").status_code == 200
+
+
+def test_a_stopped_server_lets_its_engine_go(loaded, device):
+    """FastAPI caches route functions process-wide, so an app outlives its server: once the
+    server stops, nothing of it may keep the engine (a model and its KV pool) alive.
+    `pagedattn bench engine` serves one model shape after another in one process."""
+    import gc
+    import weakref
+
+    with run_server(loaded, device) as s:
+        s.client().completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2)
+        engine = weakref.ref(s.engine)
+    del s
+    gc.collect()
+    assert engine() is None, "the stopped server still holds its engine"
