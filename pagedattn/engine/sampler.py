@@ -59,7 +59,6 @@ class Sampler:
         self.default_generator = default_generator
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        logprobs = torch.log_softmax(logits, dim=-1)  # [R, V]
         tokens = logits.argmax(dim=-1)  # [R]
         if not batch.all_greedy:
             random = batch.temperatures > 0  # [R]
@@ -75,7 +74,9 @@ class Sampler:
                     noise[i].exponential_(generator=g or self.default_generator)
             sampled = (probs / noise.clamp_min_(1e-10)).argmax(dim=-1)
             tokens = torch.where(random, sampled, tokens)
-        return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        # the chosen tokens' log-probabilities, without a [R, V] log_softmax written and read back
+        chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        return tokens, chosen - torch.logsumexp(logits, dim=-1)
 
 
 def _apply_top_k_top_p(
