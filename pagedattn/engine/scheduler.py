@@ -23,7 +23,6 @@ the cross blocks; the recomputing prefill runs the encoder again.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -206,13 +205,14 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: _Budget) -> None:
-        queue = list(self.running)
+        queue = deque(self.running)
         self.running = []
         # Decodes of groups behind a prefill keep their tokens: chunks get what is left.
-        reserved = sum(self._decode_tokens(g) for g in queue)
+        decode_tokens = {id(g): self._decode_tokens(g) for g in queue}
+        reserved = sum(decode_tokens.values())
         while queue:
-            group = queue.pop(0)
-            reserved -= self._decode_tokens(group)
+            group = queue.popleft()
+            reserved -= decode_tokens[id(group)]
             plan = self._plan(group, budget.tokens - reserved, budget.seqs)
             if not plan:
                 self.running.append(group)
@@ -220,7 +220,7 @@ class Scheduler:
             while self._blocks_needed(plan) > self.bm.num_free_blocks:
                 if queue:
                     victim = queue.pop()
-                    reserved -= self._decode_tokens(victim)
+                    reserved -= decode_tokens[id(victim)]
                     self._preempt(victim, out)
                     continue
                 if not self.running:  # alone and stuck: no preemption can make room
@@ -297,14 +297,15 @@ class Scheduler:
     def _plan(self, group: SequenceGroup, token_cap: int, seq_cap: int) -> Plan:
         seqs = group.live_seqs
         remaining = [s.num_uncomputed_tokens for s in seqs]
+        whole = [_step(s, r) for s, r in zip(seqs, remaining)]  # each sequence's every remaining token
         # An encoder-decoder prefill costs its encoder tokens too and is never chunked.
-        costs = [r + _encoder_tokens(_step(s, r)) for s, r in zip(seqs, remaining)]
+        costs = [r + _encoder_tokens(st) for r, st in zip(remaining, whole)]
         chunked = self.chunked and not any(s.encoder_len for s in seqs)
         if group.is_beam and len(seqs) > 1:
             if len(seqs) > seq_cap:
                 return []
             if sum(costs) <= token_cap:
-                return [(s, _step(s, r), True) for s, r in zip(seqs, remaining)]
+                return [(s, st, True) for s, st in zip(seqs, whole)]
             plan: Plan = []
             left = token_cap if chunked else 0
             for s, r in zip(seqs, remaining):  # everything but the last tokens, chunked
@@ -315,11 +316,11 @@ class Scheduler:
             return plan
         plan = []
         left = token_cap
-        for s, r, cost in zip(seqs, remaining, costs):
+        for s, st, cost in zip(seqs, whole, costs):
             if left <= 0 or len(plan) == seq_cap:
                 break
             if cost <= left:
-                plan.append((s, _step(s, r), True))
+                plan.append((s, st, True))
                 left -= cost
             elif chunked:
                 plan.append((s, _step(s, left), False))
@@ -359,9 +360,8 @@ class Scheduler:
             out.copies += self.bm.ensure_slots(seq, self._target(step))
             self.bm.ensure_cross_blocks(seq)
             # Copies: the block manager edits the tables in place after the step.
-            scheduled = dataclasses.replace(
-                step, block_table=tuple(seq.block_table), cross_block_table=tuple(seq.cross_block_table)
-            )
+            scheduled = ScheduledSeq(step.seq_len, step.query_len, tuple(seq.block_table), step.encoder_len,
+                                     tuple(seq.cross_block_table))
             out.chunks.append(ScheduledChunk(seq, group, scheduled, sample))
             budget.tokens -= step.query_len + _encoder_tokens(step)
             budget.seqs -= 1
