@@ -135,7 +135,10 @@ def _attend_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit
+# Integer arguments that change from step to step are not specialised on (Triton compiles a
+# variant per value class: == 1, divisible by 16, other): a server's steps would otherwise meet
+# new classes mid-run and stall for a compilation each (seconds on an H100).
+@triton.jit(do_not_specialize=["window", "num_seqs", "num_tiles", "num_splits"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, kv_start_loc_ptr,
@@ -272,6 +275,13 @@ def _paged_attention_kernel(
                  + head64[:, None] * stride_po_h + d[None, :] * stride_po_d, o, mask=io_mask)
         tl.store(part_lse_ptr + split64 * stride_pl_s + tok * stride_pl_t + head64 * stride_pl_h,
                  lse, mask=row_ok)
+
+
+def search_steps(num_seqs: int) -> int:
+    """Steps of the kernel's binary search for its sequence: enough for `num_seqs`, rounded up
+    to a multiple of 4 (at least 8), so one compiled variant serves every batch of up to 255
+    sequences (surplus steps leave the search where it is)."""
+    return max(8, -(-num_seqs.bit_length() // 4) * 4)
 
 
 def paged_attention(
@@ -422,7 +432,7 @@ def paged_attention(
         HEAD_SIZE=head_size, HEAD_PAD=max(16, next_pow2(head_size)), GROUP=group,
         NUM_KV_HEADS=num_kv_heads,
         BLOCK_Q=tile.block_q, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-        BLOCK_SIZE=block_size, SPLIT=num_splits > 1, SEARCH_STEPS=num_seqs.bit_length(),
+        BLOCK_SIZE=block_size, SPLIT=num_splits > 1, SEARCH_STEPS=search_steps(num_seqs),
         CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None,
         USE_ALIBI=alibi_slopes is not None, USE_SOFTCAP=soft_cap is not None, FP8_KV=fp8,
         PAGED=paged, WRITE_LSE=lse is not None, UPCAST=INTERPRET,

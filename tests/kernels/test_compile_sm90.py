@@ -4,7 +4,7 @@ The interpreter runs the kernels' logic but never lowers them, so type errors in
 unsupported conversions (e.g. fp8 -> bf16) or shared-memory overflow would first show on the
 GPU. Here each launcher runs with its `_x_kernel` swapped for a recorder that compiles the exact
 launch (same constexprs, warps and stages; ints equal to 1 and 16-aligned values specialised
-as Triton's JIT does) through Triton's NVIDIA backend and bundled ptxas. That needs kernels
+as Triton's JIT does, except those the kernel marks `do_not_specialize`) through Triton's NVIDIA backend and bundled ptxas. That needs kernels
 built without the interpreter, so the compiling runs in one subprocess (this file as a script)
 with TRITON_INTERPRET unset; the tests read its report.
 """
@@ -37,10 +37,13 @@ class _Recorder:
                        if k in constexprs}
             signature, attrs = {}, {}
             constexprs = dict(constexprs)
+            plain = {p.name for p in self.fn.params if p.do_not_specialize}  # as the JIT leaves them
             for i, (name, a) in enumerate(zip(self.fn.arg_names, args)):
                 if isinstance(a, torch.Tensor):
                     signature[name] = "*" + _TYPES[a.dtype]
                     attrs[(i,)] = [["tt.divisibility", 16]]
+                elif isinstance(a, int) and name in plain:
+                    signature[name] = "i64" if abs(a) >= 2 ** 31 else "i32"
                 elif isinstance(a, int) and a == 1:
                     signature[name], constexprs[name] = "constexpr", 1
                 elif isinstance(a, int):
