@@ -19,7 +19,7 @@ from ._common import check, check_tensor
 _BLOCK = 128
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_queries"])  # per-step counts: one variant for all
 def _advance_step_kernel(
     input_tokens_ptr, input_positions_ptr, sampled_ptr, seq_lens_ptr, context_lens_ptr,
     slot_mapping_ptr, block_tables_ptr, num_seqs, num_queries, stride_sampled, stride_bt,

@@ -96,7 +96,7 @@ def shared_workspace(device: torch.device, num_heads: int, num_kv_heads: int,
     return _shared[key]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # per-step counts: one variant for all
 def _reduce_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_splits,
     stride_po_s, stride_po_t, stride_po_h, stride_po_d,
