@@ -2,9 +2,12 @@
 # One call on the GPU machine: the backend suites on CUDA, kernel GPU tests, CUDA graphs and
 # the kernel benchmark. $OUT (or ./gpu_out) gets summary.txt and logs.tgz (every log, refreshed
 # after each suite: the machine returns at most 8 files). Usage:
-#   bash scripts/gpu_check.sh [suite ...]      a+b runs suites a and b at once (e.g. fi-fixed+ours); suites: torch triton flashinfer kernels bench engine fi-fixed engine-fixed pool-sizing fa-interface whisper
-#                                              backends overhead engine-bench engine-bench-fi
-#                                              engine-bench-full (SHAPE=llama3-8b by default) ...
+#   bash scripts/gpu_check.sh [suite ...]      a+b runs suites a and b at once (e.g. fi-fixed+ours)
+# suites: torch triton flash_attn flashinfer xformers ours kernels kernels-all bench engine encdec
+#         fi-fixed engine-fixed pool-sizing fa-interface whisper fa4 fa4-suite backends overhead
+#         engine-bench engine-bench-fi engine-bench-full (SHAPE=llama3-8b by default), and the
+#         FlashInfer build steps below. Each failure is listed in summary.txt as it happens, so a
+#         suite cut by its time limit still names them.
 #
 # overhead: `pagedattn bench overhead --json` (per-layer host time of impl.forward) for this tree and,
 # when ${BASE:-.base}/pagedattn exists (an older checkout, e.g. `git archive 6116b13 pagedattn |
