@@ -158,11 +158,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 traceback.print_exc()
                 result["shapes"][shape] = {"error": f"{type(e).__name__}: {e}", "skipped": []}
             _free(device)
+            # written after each shape: a run cut short keeps what it measured
+            result["environment"]["load_average_after"] = report.load_average()
             result["targets"] = report.targets(result)
-            report.write(result, args.out)  # after each shape: a run cut short keeps what it measured
-    result["environment"]["load_average_after"] = report.load_average()
-    result["targets"] = report.targets(result)
-    paths = report.write(result, args.out)
+            paths = report.write(result, args.out)
     report.print_summary(result)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 1 if any("error" in v for v in result["shapes"].values()) else 0

@@ -4,9 +4,10 @@ The interpreter runs the kernels' logic but never lowers them, so type errors in
 unsupported conversions (e.g. fp8 -> bf16) or shared-memory overflow would first show on the
 GPU. Here each launcher runs with its `_x_kernel` swapped for a recorder that compiles the exact
 launch (same constexprs, warps and stages; ints equal to 1 and 16-aligned values specialised
-as Triton's JIT does, except those the kernel marks `do_not_specialize`) through Triton's NVIDIA backend and bundled ptxas. That needs kernels
-built without the interpreter, so the compiling runs in one subprocess (this file as a script)
-with TRITON_INTERPRET unset; the tests read its report.
+as Triton's JIT does, except those the kernel marks `do_not_specialize`) through Triton's NVIDIA
+backend and bundled ptxas. That needs kernels built without the interpreter, so the compiling
+runs in one subprocess (this file as a script) with TRITON_INTERPRET unset; the tests read its
+report.
 """
 
 import json
