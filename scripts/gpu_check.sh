@@ -4,7 +4,7 @@
 # after each suite: the machine returns at most 8 files). Usage:
 #   bash scripts/gpu_check.sh [suite ...]      a+b runs suites a and b at once (e.g. fi-fixed+ours)
 # suites: torch triton flash_attn flashinfer xformers ours kernels kernels-all bench engine encdec
-#         fi-fixed engine-fixed pool-sizing fa-interface whisper fa4 fa4-suite backends overhead
+#         fi-fixed engine-fixed pool-sizing fa-interface fa-backend whisper fa4 fa4-suite backends overhead
 #         engine-bench engine-bench-fi engine-bench-full (SHAPE=llama3-8b by default), and the
 #         FlashInfer build steps below. Each failure is listed in summary.txt as it happens, so a
 #         suite cut by its time limit still names them.
@@ -65,6 +65,9 @@ suite() {
       run fa-interface "${KLIMIT:-300}" python -m pytest tests/kernels/test_flash_attn_interface.py \
         tests/kernels/test_flash_attn_dao.py tests/backend_flash_attn --backend flash_attn --device cuda -q \
         -p no:cacheprovider -n "${WORKERS:-12}" --tb=short -rfEs --durations=15 ;;
+    fa-backend)  # the flash_attn backend's own tests (providers, FA4 faked), without the interface grid
+      run fa-backend "${ELIMIT:-200}" python -m pytest tests/backend_flash_attn --backend flash_attn --device cuda -q \
+        -p no:cacheprovider -n 2 --tb=short -rfEs ;;
     whisper) # carry .peers: loading a model needs gguf (the [hf] extra), which the GPU image lacks
       run whisper "${ELIMIT:-200}" python -m pytest tests/models/test_whisper.py --backend torch,triton \
         --device cuda -q -p no:cacheprovider -n 2 --tb=short -rfEs ;;
