@@ -140,7 +140,7 @@ def _attend_tiles(
 # new classes mid-run and stall for a compilation each (seconds on an H100).
 @triton.jit(do_not_specialize=["window", "num_seqs", "num_tiles", "num_splits"])
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_out_ptr, part_stats_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, kv_start_loc_ptr,
     alibi_slopes_ptr, k_scale_ptr, v_scale_ptr,
     sm_scale, soft_cap, window, num_seqs, num_tiles, num_splits,
@@ -150,7 +150,7 @@ def _paged_attention_kernel(
     stride_ot, stride_oh, stride_od,
     stride_lt, stride_lh,
     stride_po_s, stride_po_t, stride_po_h, stride_po_d,
-    stride_pl_s, stride_pl_t, stride_pl_h,
+    stride_ps_s, stride_ps_t, stride_ps_h, stride_ps_c,
     stride_bt,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, GROUP: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -261,20 +261,20 @@ def _paged_attention_kernel(
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     if FP8_KV:
         o = o * tl.load(v_scale_ptr)
-    # natural-log LSE of the scaled scores (m_i, l_i are base 2)
-    lse = tl.where(empty, float("-inf"),
-                   (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     if not SPLIT:
         tl.store(out_ptr + tok[:, None] * stride_ot + head64[:, None] * stride_oh
                  + d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty), mask=io_mask)
-        if WRITE_LSE:
+        if WRITE_LSE:  # natural-log LSE of the scaled scores (m_i, l_i are base 2)
+            lse = tl.where(empty, float("-inf"),
+                           (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
             tl.store(lse_ptr + tok * stride_lt + head64 * stride_lh, lse, mask=row_ok)
-    else:
+    else:  # the online-softmax state (m, l) as it is: the reduction merges it (split_kv.py)
         split64 = split.to(tl.int64)
         tl.store(part_out_ptr + split64 * stride_po_s + tok[:, None] * stride_po_t
                  + head64[:, None] * stride_po_h + d[None, :] * stride_po_d, o, mask=io_mask)
-        tl.store(part_lse_ptr + split64 * stride_pl_s + tok * stride_pl_t + head64 * stride_pl_h,
-                 lse, mask=row_ok)
+        stats = part_stats_ptr + split64 * stride_ps_s + tok * stride_ps_t + head64 * stride_ps_h
+        tl.store(stats, m_i, mask=row_ok)
+        tl.store(stats + stride_ps_c, l_i, mask=row_ok)
 
 
 def search_steps(num_seqs: int) -> int:
@@ -414,21 +414,21 @@ def paged_attention(
     k_scale_t = scale_tensor(k_scale, "k_scale", device) if fp8 else seq_lens
     v_scale_t = scale_tensor(v_scale, "v_scale", device) if fp8 else seq_lens
     if num_splits > 1:
-        part_out, part_lse = workspace.views(num_splits, num_tokens)
+        part_out, part_stats = workspace.views(num_splits, num_tokens)
     else:
-        part_out, part_lse = out.unsqueeze(0), seq_lens.view(1, -1, 1)  # never written
+        part_out, part_stats = out.unsqueeze(0), seq_lens.view(1, -1, 1, 1)  # never written
     lse_arg = lse if lse is not None else seq_lens.view(-1, 1)  # never written without lse
 
     num_tiles = num_tokens // tile.block_q + num_seqs  # >= what every sequence needs
     grid = (num_tiles * num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
-        query, k_cache, v_cache, out, lse_arg, part_out, part_lse,
+        query, k_cache, v_cache, out, lse_arg, part_out, part_stats,
         query_start_loc, seq_lens, bt_arg, kv_start_arg,
         alibi_slopes if alibi_slopes is not None else seq_lens, k_scale_t, v_scale_t,
         float(scale), float(soft_cap or 0.0), int(sliding_window or 0), num_seqs, num_tiles,
         num_splits,
         *query.stride(), *kv_strides, *out.stride(), lse_arg.stride(0), lse_arg.stride(1),
-        *part_out.stride(), *part_lse.stride(), bt_stride,
+        *part_out.stride(), *part_stats.stride(), bt_stride,
         HEAD_SIZE=head_size, HEAD_PAD=max(16, next_pow2(head_size)), GROUP=group,
         NUM_KV_HEADS=num_kv_heads,
         BLOCK_Q=tile.block_q, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,

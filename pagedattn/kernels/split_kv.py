@@ -2,12 +2,16 @@
 
 When a step has too few (sequence, KV head, query tile) programs to fill the GPU, the paged
 attention kernel also splits each sequence's key range into `num_splits` contiguous chunks.
-Split `s` writes its normalised partial output `o_s` (float32) and its log-sum-exp `lse_s`
-(natural log; -inf for an empty chunk) into this workspace; the reduction then combines them
-with the same math as `merge_attn_states`:
+Split `s` writes its normalised partial output `o_s` (float32) and its online-softmax state
+(`m_s`, the largest score in base-2 units, -inf for an empty chunk; `l_s`, the sum of
+2^(score - m_s), 0 when empty) into this workspace; the reduction then combines them:
 
-    m = max_s lse_s;  w_s = exp(lse_s - m);  out = sum_s w_s o_s / sum_s w_s;
-    lse = m + log(sum_s w_s)            (all parts empty: out = 0, lse = -inf)
+    M = max_s m_s;  w_s = 2^(m_s - M) l_s;  out = sum_s w_s o_s / sum_s w_s;
+    lse = ln 2 * (M + log2(sum_s w_s))      (all parts empty: out = 0, lse = -inf)
+
+The state is kept as (m, l), not folded into one log-sum-exp per split: at scores near 1e5 a
+float32 LSE rounds to ~0.01, which would weigh equal splits unequally (FlashInfer's merge of
+LSEs has that error); m_s - M is exact when the splits share their maximum.
 
 The workspace is sized once from batch limits (so CUDA graphs keep fixed addresses) and passed
 to every launch; steps with more tokens than it holds simply run unsplit, which is what they
@@ -33,12 +37,12 @@ class SplitKVWorkspace:
     tokens in S splits using the first S * T of them, viewed as [S, T, ...].
 
     partial_out: [rows, Hq, D] float32
-    partial_lse: [rows, Hq] float32
+    partial_stats: [rows, Hq, 2] float32, each split's (m, l) (module docstring)
     max_splits: the most splits any launch takes from it
     """
 
     partial_out: torch.Tensor
-    partial_lse: torch.Tensor
+    partial_stats: torch.Tensor
     max_splits: int
 
     @classmethod
@@ -50,8 +54,8 @@ class SplitKVWorkspace:
         check(max_num_tokens >= 1, "max_num_tokens", ">= 1", max_num_tokens)
         rows = max_num_tokens * max_splits
         out = torch.empty(rows, num_heads, head_size, dtype=torch.float32, device=device)
-        lse = torch.empty(rows, num_heads, dtype=torch.float32, device=device)
-        return cls(out, lse, max_splits)
+        stats = torch.empty(rows, num_heads, 2, dtype=torch.float32, device=device)
+        return cls(out, stats, max_splits)
 
     @property
     def rows(self) -> int:
@@ -64,12 +68,12 @@ class SplitKVWorkspace:
         return max(1, min(self.max_splits, self.rows // num_tokens))
 
     def views(self, num_splits: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """([S, T, Hq, D], [S, T, Hq]) views of the rows one launch of T tokens in S splits uses."""
+        """([S, T, Hq, D], [S, T, Hq, 2]) views of the rows one launch of T tokens in S splits uses."""
         used = num_splits * num_tokens
         check(used <= self.rows, "split-KV workspace rows", f">= {used}", self.rows)
         heads, dim = self.partial_out.shape[1:]
         return (self.partial_out[:used].view(num_splits, num_tokens, heads, dim),
-                self.partial_lse[:used].view(num_splits, num_tokens, heads))
+                self.partial_stats[:used].view(num_splits, num_tokens, heads, 2))
 
 
 # Split-KV pays only while (sequences x KV heads) leaves the GPU short of programs; the split
@@ -98,9 +102,9 @@ def shared_workspace(device: torch.device, num_heads: int, num_kv_heads: int,
 
 @triton.jit(do_not_specialize=["num_splits"])  # per-step counts: one variant for all
 def _reduce_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_splits,
+    part_out_ptr, part_stats_ptr, out_ptr, lse_ptr, num_splits,
     stride_po_s, stride_po_t, stride_po_h, stride_po_d,
-    stride_pl_s, stride_pl_t, stride_pl_h,
+    stride_ps_s, stride_ps_t, stride_ps_h, stride_ps_c,
     stride_o_t, stride_o_h, stride_o_d, stride_l_t, stride_l_h,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_BLOCK: tl.constexpr,
     WRITE_LSE: tl.constexpr,
@@ -118,12 +122,13 @@ def _reduce_splits_kernel(
         s = s0 + tl.arange(0, SPLITS_BLOCK)
         s_ok = s < num_splits
         s64 = s.to(tl.int64)
-        lse = tl.load(part_lse_ptr + s64 * stride_pl_s + t * stride_pl_t + h * stride_pl_h,
-                      mask=s_ok, other=float("-inf"))
-        m_new = tl.maximum(m, tl.max(lse, 0))
+        stats = part_stats_ptr + s64 * stride_ps_s + t * stride_ps_t + h * stride_ps_h
+        m_s = tl.load(stats, mask=s_ok, other=float("-inf"))
+        l_s = tl.load(stats + stride_ps_c, mask=s_ok, other=0.0)
+        m_new = tl.maximum(m, tl.max(m_s, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)  # 0 while nothing was seen (m = -inf)
-        w = tl.exp(lse - m_safe)  # 0 for empty splits
+        alpha = tl.exp2(m - m_safe)  # 0 while nothing was seen (m = -inf)
+        w = tl.where(l_s > 0.0, tl.exp2(m_s - m_safe) * l_s, 0.0)  # 0 for empty splits
         o = tl.load(part_out_ptr + s64[:, None] * stride_po_s + t * stride_po_t
                     + h * stride_po_h + d[None, :] * stride_po_d,
                     mask=s_ok[:, None] & d_ok[None, :], other=0.0)
@@ -137,7 +142,7 @@ def _reduce_splits_kernel(
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         tl.store(lse_ptr + t * stride_l_t + h * stride_l_h,
                  tl.where(w_sum == 0.0, float("-inf"),
-                          m_safe + tl.log(tl.where(w_sum == 0.0, 1.0, w_sum))))
+                          (m_safe + tl.log2(tl.where(w_sum == 0.0, 1.0, w_sum))) * 0.6931471805599453))
 
 
 def reduce_splits(workspace: SplitKVWorkspace, num_splits: int, out: torch.Tensor,
@@ -155,11 +160,11 @@ def reduce_splits(workspace: SplitKVWorkspace, num_splits: int, out: torch.Tenso
         check(lse.shape == out.shape[:2], "lse.shape", tuple(out.shape[:2]), tuple(lse.shape))
     if num_tokens == 0:
         return
-    part_out, part_lse = workspace.views(num_splits, num_tokens)
-    lse_arg = lse if lse is not None else part_lse[0]
+    part_out, part_stats = workspace.views(num_splits, num_tokens)
+    lse_arg = lse if lse is not None else part_stats[0, :, :, 0]  # never written without lse
     _reduce_splits_kernel[(num_tokens, num_heads)](
-        part_out, part_lse, out, lse_arg, num_splits,
-        *part_out.stride(), *part_lse.stride(),
+        part_out, part_stats, out, lse_arg, num_splits,
+        *part_out.stride(), *part_stats.stride(),
         *out.stride(), lse_arg.stride(0), lse_arg.stride(1),
         HEAD_SIZE=head_size, HEAD_PAD=next_pow2(head_size),
         SPLITS_BLOCK=min(SPLITS_BLOCK, next_pow2(num_splits)),

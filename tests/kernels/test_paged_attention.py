@@ -9,6 +9,7 @@ from oracle import dense_attention_with_lse, rel_l2  # noqa: E402
 from paged_kernel import attend, kernel_args, kernel_batch, oracle_options  # noqa: E402
 
 from pagedattn.kernels import SplitKVWorkspace, paged_attention  # noqa: E402
+from pagedattn.kernels.split_kv import reduce_splits  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -121,7 +122,7 @@ def test_split_kv_matches_unsplit(shape, num_splits):
     args = kernel_args(batch)
     ws = SplitKVWorkspace.allocate(batch.num_tokens, 4, 32, 4, DEVICE)
     ws.partial_out.fill_(float("nan"))  # stale scratch must never leak into the result
-    ws.partial_lse.fill_(float("nan"))
+    ws.partial_stats.fill_(float("nan"))
     split_out, split_lse = attend(args, scale=0.3, workspace=ws, num_splits=num_splits,
                                   sliding_window=13)
     out, lse = attend(args, scale=0.3, sliding_window=13)
@@ -137,9 +138,27 @@ def test_many_splits_and_empty_splits(num_splits):
     batch = make([(0, 1), (700, 1), (40, 1)], block_size=16)
     ws = SplitKVWorkspace.allocate(batch.num_tokens, 4, 32, 64, DEVICE)
     ws.partial_out.fill_(float("nan"))
-    ws.partial_lse.fill_(float("nan"))
+    ws.partial_stats.fill_(float("nan"))
     out = check_against_oracle(batch, workspace=ws, num_splits=num_splits)
     assert not out.isnan().any()
+
+
+def test_splits_sharing_their_maximum_merge_exactly_at_huge_scores():
+    """The reduction weighs split s by 2^(m_s - M) l_s: splits whose largest score is the same
+    -1.4e5 merge by their counts alone, where one float32 LSE per split (ulp ~0.016 there)
+    would weigh them off by up to half a percent (seen on the H100 before the state was kept)."""
+    ws = SplitKVWorkspace.allocate(1, 1, 4, 3, DEVICE)
+    parts, stats = ws.views(3, 1)
+    parts[:, 0, 0] = torch.tensor([[1.0, 0, 0, 2], [0, 1.0, 0, -2], [5, 5, 5, 5]], device=DEVICE)
+    stats[:, 0, 0, 0] = torch.tensor([-144269.5, -144269.5, float("-inf")], device=DEVICE)
+    stats[:, 0, 0, 1] = torch.tensor([10.0, 7.0, 0.0], device=DEVICE)  # the third split is empty
+    out = torch.empty(1, 1, 4, device=DEVICE)
+    lse = torch.empty(1, 1, device=DEVICE)
+    reduce_splits(ws, 3, out, lse)
+    want = torch.tensor([10.0, 7.0, 0.0, 6.0]) / 17
+    torch.testing.assert_close(out[0, 0].cpu(), want, atol=1e-7, rtol=1e-7)
+    expected_lse = (-144269.5 + torch.tensor(17.0, dtype=torch.float64).log2()) * torch.tensor(2.0).log().double()
+    assert abs(float(lse) - float(expected_lse)) < 0.02  # float32 at 1e5: ulp 0.0078
 
 
 def test_workspace_rows_trade_tokens_for_splits():
@@ -148,8 +167,8 @@ def test_workspace_rows_trade_tokens_for_splits():
     assert ws.splits_for(1, 4, 32) == 16  # capped by max_splits
     assert ws.splits_for(10, 4, 32) == 6 and ws.splits_for(40, 4, 32) == 1
     assert ws.splits_for(4, 8, 32) == 1  # another head layout: unsplit
-    out, lse = ws.views(6, 10)
-    assert out.shape == (6, 10, 4, 32) and lse.shape == (6, 10, 4)
+    out, stats = ws.views(6, 10)
+    assert out.shape == (6, 10, 4, 32) and stats.shape == (6, 10, 4, 2)
     with pytest.raises(ValueError, match="rows"):
         ws.views(7, 10)
 
