@@ -29,6 +29,8 @@ class LLM:
     enable_prefix_caching: reuse cached KV blocks of identical prompt prefixes.
     enable_chunked_prefill: split long prompts across steps, batched with decodes.
     num_scheduler_steps: decode steps run back to back on the device per scheduling.
+    async_scheduling: queue each decode step before the previous one's tokens reach the host,
+        hiding the host's work behind the device's (None: on CUDA unless num_scheduler_steps > 1).
     enforce_eager: never capture CUDA graphs.
     swap_space_gib: CPU memory for sequences preempted by swapping (0: always recompute).
     gpu_memory_utilization: fraction of device memory the model, activations and KV cache may use.
@@ -56,6 +58,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
         num_scheduler_steps: int = 1,
+        async_scheduling: bool | None = None,
         enforce_eager: bool = False,
         swap_space_gib: float = 4,
         gpu_memory_utilization: float = 0.9,
@@ -75,6 +78,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill,
             num_scheduler_steps=num_scheduler_steps,
+            async_scheduling=async_scheduling,
             enforce_eager=enforce_eager,
             swap_space_gib=swap_space_gib,
             gpu_memory_utilization=gpu_memory_utilization,

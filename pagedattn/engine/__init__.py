@@ -3,8 +3,10 @@
 `pagedattn.LLM` is the public entry point; `LLMEngine` is the step-by-step loop under it:
 `InputProcessor` turns a request into a `SequenceGroup`; each step, `Scheduler.schedule()`
 emits `ScheduledChunk`s (each with the `ScheduledSeq` the metadata builder gets),
-`ModelRunner.execute()` runs and samples them (`StepResult`s), and `OutputProcessor` appends
-the tokens, finishes, forks and steps beams, and makes the `RequestOutput`s.
+`ModelRunner.launch()` queues their model run and sampling (`LaunchedStep`, whose `results()`
+are `StepResult`s), and `OutputProcessor` appends the tokens, finishes, forks and steps beams,
+and makes the `RequestOutput`s. With async scheduling the next decode step is launched before
+the current one's results are read (`Scheduler.schedule_next_decodes`).
 """
 
 from pagedattn.engine.config import EngineConfig

@@ -25,6 +25,10 @@ class EngineConfig:
 
     `max_model_len` caps the model's context (None: the model's own); the KV pool must hold
     one request of that many tokens.
+    `async_scheduling` plans and queues a decode step while the one before it runs, so the
+    host's work of a step (scheduling, inputs, reading and applying the draws) overlaps the
+    device's (None: on CUDA with `num_scheduler_steps=1`; the CPU computes as it queues, so
+    there it only adds a wasted row when a sequence stops).
     `preemption_mode` and `cpu_kv_cache_gib` are engine-level extras not exposed by `LLM`:
     "auto" swaps groups of several sequences (n > 1, beam search) when the CPU pool has room
     and recomputes single sequences, like vLLM; "recompute"/"swap" force one mode.
@@ -41,6 +45,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     num_scheduler_steps: int = 1
+    async_scheduling: bool | None = None
     enforce_eager: bool = False
     swap_space_gib: float = 4
     gpu_memory_utilization: float = 0.9
@@ -61,6 +66,11 @@ class EngineConfig:
             _int_at_least("num_kv_blocks", self.num_kv_blocks, 1)
         if self.max_model_len is not None:
             _int_at_least("max_model_len", self.max_model_len, 1)
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"expected async_scheduling to be None or a bool, got {self.async_scheduling!r}")
+        if self.async_scheduling and self.num_scheduler_steps > 1:
+            raise ValueError("expected async_scheduling or num_scheduler_steps > 1, got both (each hides the "
+                             "host's work of a step its own way)")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"expected {name} to be a bool, got {getattr(self, name)!r}")
@@ -92,6 +102,11 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def resolved_async_scheduling(self, device: torch.device) -> bool:
+        if self.async_scheduling is None:
+            return device.type == "cuda" and self.num_scheduler_steps == 1
+        return self.async_scheduling
 
     def batched_tokens(self, max_model_len: int) -> int:
         """The per-step token budget: the configured one, else a default that fits any prompt

@@ -11,11 +11,11 @@ from pagedattn.attention.registry import get_backend
 from pagedattn.engine.block_manager import BlockManager
 from pagedattn.engine.config import EngineConfig
 from pagedattn.engine.input_processor import InputProcessor
-from pagedattn.engine.model_runner import ModelRunner
+from pagedattn.engine.model_runner import LaunchedStep, ModelRunner
 from pagedattn.engine.output_processor import OutputProcessor
 from pagedattn.engine.outputs import RequestOutput
 from pagedattn.engine.sampling_params import SamplingParams
-from pagedattn.engine.scheduler import Scheduler
+from pagedattn.engine.scheduler import Scheduler, SchedulerOutput
 from pagedattn.engine.sequence import SequenceGroup
 
 logger = logging.getLogger(__name__)
@@ -109,6 +109,9 @@ class LLMEngine:
         )
         self._arrivals = itertools.count()
         self._rejected: list[SequenceGroup] = []  # finished with an error before scheduling
+        # the next step, launched before the last one's draws were read (async scheduling)
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        self.async_scheduling = config.resolved_async_scheduling(device)
 
     def add_request(
         self, prompt: str | list[int] | dict, params: SamplingParams | None = None, request_id: str | None = None
@@ -156,17 +159,33 @@ class LLMEngine:
         )
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and sample one step; outputs of every request that advanced or finished."""
+        """Schedule, run and sample one step; outputs of every request that advanced or finished.
+
+        With async scheduling, the step after it is planned and queued on the device before its
+        draws are read (when it does not depend on them, `Scheduler.schedule_next_decodes`): the
+        device runs that one while the host processes this one, and the next call starts from it."""
         finished, self._rejected = self._rejected, []
-        out = self.scheduler.schedule()
-        finished += out.ended
-        self.output_processor.process(out, self.runner.execute(out))
+        if self._in_flight is None:
+            out = self.scheduler.schedule()
+            finished += out.ended
+            launched = self.runner.launch(out)
+        else:
+            out, launched = self._in_flight
+        self._in_flight = None
+        advanced = [c.group for c in out.chunks if not c.seq.is_finished]  # an in-flight step may hold finished ones
+        if self.async_scheduling:
+            nxt = self.scheduler.schedule_next_decodes(out)
+            if nxt is not None:
+                self._in_flight = nxt, self.runner.launch(nxt, after=launched)
+        self.output_processor.process(out, launched.results())
         if not (out.chunks or out.preempted or out.ended) and self.scheduler.has_unfinished():
             finished.append(self.scheduler.abort_unschedulable())
         self.scheduler.remove_finished()
+        if self._in_flight is not None and all(c.seq.is_finished for c in self._in_flight[0].chunks):
+            self._in_flight = None  # every sequence it computes has finished: nothing to read
         if self.check_integrity:
             self.block_manager.check_integrity(self.scheduler.all_seqs())
-        return self.output_processor.outputs(list(dict.fromkeys([*finished, *(c.group for c in out.chunks)])))
+        return self.output_processor.outputs(list(dict.fromkeys([*finished, *advanced])))
 
     # ------------------------------------------------------------------ batch API
 

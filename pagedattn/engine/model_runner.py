@@ -5,8 +5,10 @@ The KV pool is allocated once: sized from free memory after a profiling run on C
 On the CPU the model's float32 linears are swapped, in place, for oneDNN-prepacked ones.
 Decode-only steps on CUDA replay graphs captured for batch sizes 1, 2, 4, 8, 16, 32, ...
 (steps of 16) up to `max_num_seqs`, through the backend's `AttentionState`.
-A step returns what it sampled (`StepResult`): tokens and log-probabilities, and the full
-log-probabilities of beam-search rows, which the beam step scores itself.
+`launch` queues a step and returns a `LaunchedStep`, whose `results()` are what it sampled
+(`StepResult`): tokens and log-probabilities, and the full log-probabilities of beam-search
+rows, which the beam step scores itself. A step launched `after` another reads its input
+tokens from that one's draws on the device (async scheduling).
 
 Encoder-decoder models (`spec.num_cross_layers > 0`) have a cross pool too: one cache tensor
 per cross-attention layer, with as many blocks as the decoder pool (a request's encoder
@@ -58,6 +60,53 @@ class StepResult:
     tokens: list[list[int]]
     logprobs: list[list[float]]
     beam_logprobs: dict[int, torch.Tensor]
+
+
+class LaunchedStep:
+    """A step whose kernels are queued; `results()` waits for its draws and reads them.
+
+    tokens: int64 [R] on the device, the step's draws, which the engine may carry into the
+    inputs of a step launched before this one is read; row_of: id(sequence) -> its row in
+    `tokens`, for the chunks that draw one token. On CUDA the draws go to pinned host memory
+    right behind the sampler, so `results()` waits for this step only, not for steps queued
+    after it.
+    """
+
+    def __init__(self, *, results: list[StepResult] | None = None, layout: list[int] | None = None,
+                 tokens: torch.Tensor | None = None, logprobs: torch.Tensor | None = None,
+                 beam_logprobs: dict[int, torch.Tensor] | None = None, row_of: dict[int, int] | None = None):
+        self._results = results
+        self._layout = layout or []  # draws of each chunk
+        self._beam_logprobs = beam_logprobs or {}
+        self.tokens = tokens
+        self.row_of = row_of or {}
+        self._host = self._event = None
+        if tokens is not None and tokens.numel():
+            pair = torch.stack([tokens.double(), logprobs.double()])  # token ids are exact in float64
+            if pair.is_cuda:
+                self._host = torch.empty(pair.shape, dtype=pair.dtype, pin_memory=True)
+                self._host.copy_(pair, non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record()
+            else:
+                self._host = pair
+
+    def results(self) -> list[StepResult]:
+        """One `StepResult` per model step (`out.num_steps` of them; none when no chunk ran)."""
+        if self._results is None:
+            if self._event is not None:
+                self._event.synchronize()
+            tokens, logprobs = [], []
+            if self._host is not None:
+                tokens, logprobs = [int(t) for t in self._host[0].tolist()], self._host[1].tolist()
+            ends = list(itertools.accumulate(self._layout))
+            starts = [0, *ends[:-1]]
+            self._results = [StepResult(
+                tokens=[tokens[a:b] for a, b in zip(starts, ends)],
+                logprobs=[logprobs[a:b] for a, b in zip(starts, ends)],
+                beam_logprobs=self._beam_logprobs,
+            )]
+        return self._results
 
 
 @dataclass
@@ -207,47 +256,51 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[StepResult]:
         """Move blocks, run the step and sample it: one `StepResult` per model step
         (`out.num_steps` of them; none when no chunk was scheduled)."""
+        return self.launch(out).results()
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, after: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step's block moves, model and sampler; read what it drew with `results()`.
+
+        `after`: the launched step that `out` continues (`Scheduler.schedule_next_decodes`):
+        each chunk's input token is that step's draw for its sequence, read on the device,
+        not yet known on the host."""
         self._move_blocks(out)
         if not out.chunks:
-            return []
+            return LaunchedStep(results=[])
         if out.num_steps > 1:
-            return self._execute_multistep(out)
-        ids, pos, sample_idx, seqs = self._prepare(out.chunks)
+            return LaunchedStep(results=self._execute_multistep(out))
+        ids, pos, sample_idx, seqs = self._prepare(out.chunks, after)
         encoder = self._prepare_encoder(out.chunks)
         pad_to = self._graph_size(len(seqs)) if out.is_decode_only else None
         md = self.builder.build(seqs, cuda_graph_pad_to=pad_to)
         hidden = self._run(md, ids, pos, pad_to, encoder)
         logits = self.model.compute_logits(hidden.index_select(0, sample_idx))  # [sampled chunks, V]
-        return [self._sample(out.chunks, logits)]
+        return self._sample(out.chunks, logits)
 
-    def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> StepResult:
+    def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> LaunchedStep:
         """logits: float32 [S, V], row j for the j-th chunk that is sampled."""
         sampled = [i for i, c in enumerate(chunks) if c.sample]  # chunk of each logits row
         rows = [c.sampling_rows() for c in chunks]
         flat = [r for chunk_rows in rows for r in chunk_rows]
-        tokens: list[int] = []
-        logprobs: list[float] = []
+        tokens = logprobs = None
         if flat:
             index = [j for j, i in enumerate(sampled) for _ in rows[i]]  # logits row of each draw
             batch = SamplingBatch.build(flat, self.spec.vocab_size, self.device)
-            t, lp = self.sampler.sample(logits.index_select(0, self._index(index)), batch)
-            tokens, logprobs = t.tolist(), lp.tolist()
+            tokens, logprobs = self.sampler.sample(logits.index_select(0, self._index(index)), batch)
         beams = [(j, i) for j, i in enumerate(sampled) if chunks[i].group.is_beam]
         beam_logprobs = {}
         if beams:
             full = torch.log_softmax(logits.index_select(0, self._index([j for j, _ in beams])), dim=-1)
             beam_logprobs = {i: row for (_, i), row in zip(beams, full)}
-        ends = list(itertools.accumulate(len(r) for r in rows))
-        starts = [0, *ends[:-1]]
-        return StepResult(
-            tokens=[tokens[a:b] for a, b in zip(starts, ends)],
-            logprobs=[logprobs[a:b] for a, b in zip(starts, ends)],
-            beam_logprobs=beam_logprobs,
-        )
+        layout = [len(r) for r in rows]
+        starts = [0, *itertools.accumulate(layout)]
+        row_of = {id(c.seq): starts[i] for i, c in enumerate(chunks) if layout[i] == 1}
+        return LaunchedStep(layout=layout, tokens=tokens, logprobs=logprobs, beam_logprobs=beam_logprobs,
+                            row_of=row_of)
 
     def _index(self, rows: list[int]) -> torch.Tensor:
         """rows as an int64 index tensor on the device."""
@@ -296,24 +349,29 @@ class ModelRunner:
         if out.copies:  # cross blocks are never written after their prefill: no copy-on-write
             self.backend.copy_blocks(self.kv_caches[:n], torch.tensor(out.copies, dtype=torch.int64).to(self.device))
 
-    def _prepare(self, chunks: list[ScheduledChunk]):
+    def _prepare(self, chunks: list[ScheduledChunk], after: LaunchedStep | None = None):
         """Input ids and positions int64 [T], sampled-row indices int64 [S] (one H2D copy), and
-        the step's `[ScheduledSeq]` as the scheduler made them."""
+        the step's `[ScheduledSeq]` as the scheduler made them. `after`: the ids are that
+        step's draws (one decode token per chunk)."""
         ids: list[int] = []
         positions: list[int] = []
         sample_idx: list[int] = []
         for c in chunks:
             start, end = c.scheduled.context_len, c.scheduled.seq_len
-            ids += c.seq.token_ids[start:end]
+            if after is None:
+                ids += c.seq.token_ids[start:end]
+            else:
+                ids.append(after.row_of[id(c.seq)])  # the row of its token in `after.tokens`
             positions += range(start, end)
             if c.sample:
-                sample_idx.append(len(ids) - 1)
+                sample_idx.append(len(positions) - 1)
         seqs = [c.scheduled for c in chunks]
         flat = torch.tensor(ids + positions + sample_idx, dtype=torch.int64)
         if self.device.type == "cuda":
             flat = flat.pin_memory().to(self.device, non_blocking=True)
         t = len(ids)
-        return flat[:t], flat[t : 2 * t], flat[2 * t :], seqs
+        ids_t = flat[:t] if after is None else after.tokens.index_select(0, flat[:t])
+        return ids_t, flat[t : 2 * t], flat[2 * t :], seqs
 
     def _prepare_encoder(self, chunks: list[ScheduledChunk]) -> tuple | None:
         """The encoder prompts of the step's prefills, in chunk order (as `build` lays out the

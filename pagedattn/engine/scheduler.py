@@ -204,6 +204,42 @@ class Scheduler:
         out.num_steps = self._num_steps(out)
         return out
 
+    def schedule_next_decodes(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """The step after `prev`, planned while `prev` still runs (async scheduling): each
+        sequence `prev` samples decodes the token being sampled, whose value the runner carries
+        on the device. That is the step `schedule` would make once `prev` is processed, unless
+        what `prev` samples or the queues could change it: then None (and nothing is touched).
+        None when requests wait or are swapped out, `prev` is multi-step, leaves a running
+        sequence out, ends a chunk before its sequence's last token, forks (`n`, beams) or runs
+        a beam search, or when the new slots would need more blocks than are free. A sequence
+        that `prev`'s token ends by length (`max_tokens`, the model's context) is left out; an
+        EOS or stop string found when `prev` is processed wastes that sequence's row of this step,
+        whose result for it is then dropped (it is finished)."""
+        if self.lookahead or self.waiting or self.swapped or prev.num_steps > 1:
+            return None
+        live = [c for c in prev.chunks if not c.seq.is_finished]
+        if not live or len(live) != sum(len(g.live_seqs) for g in self.running):
+            return None
+        running = {id(s) for g in self.running for s in g.live_seqs}
+        nxt = []
+        for c in live:
+            seq, params = c.seq, c.group.params
+            if id(seq) not in running or not c.sample or c.group.is_beam or c.group.needs_fork:
+                return None
+            known = c.scheduled.seq_len  # the tokens `prev` computes; it samples token `known`
+            assert len(seq) == known, (len(seq), c.scheduled)
+            if seq.num_output_tokens + 1 < params.max_tokens and known + 1 < self.max_model_len:
+                nxt.append((c, known + 1))
+        if not nxt or sum(self.bm.blocks_needed(c.seq, n) for c, n in nxt) > self.bm.num_free_blocks:
+            return None
+        out = SchedulerOutput()
+        for c, n in nxt:
+            seq = c.seq
+            out.copies += self.bm.ensure_slots(seq, n)
+            scheduled = ScheduledSeq(n, 1, tuple(seq.block_table), seq.encoder_len, tuple(seq.cross_block_table))
+            out.chunks.append(ScheduledChunk(seq, c.group, scheduled, True))
+        return out
+
     def _schedule_running(self, out: SchedulerOutput, budget: _Budget) -> None:
         queue = deque(self.running)
         self.running = []

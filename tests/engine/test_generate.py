@@ -54,6 +54,9 @@ CONFIGS = {
     "block_size_5_chunked": dict(block_size=5, num_kv_blocks=200, max_num_batched_tokens=12, max_num_seqs=3),
     "max_num_seqs_1": dict(max_num_seqs=1),
     "multi_step_4": dict(num_scheduler_steps=4),
+    "async": dict(async_scheduling=True),
+    "async_chunked_16": dict(async_scheduling=True, max_num_batched_tokens=16, max_num_seqs=4),
+    "async_block_size_1": dict(async_scheduling=True, block_size=1, num_kv_blocks=800),
 }
 
 
@@ -73,17 +76,18 @@ def test_prefix_cache_is_hit(make_engine, greedy_refs):
     prompts = _prompts()
     _greedy(engine, prompts)
     computed = []
-    execute = engine.runner.execute
-    engine.runner.execute = lambda out: (computed.append(out.num_batched_tokens), execute(out))[1]
+    launch = engine.runner.launch
+    engine.runner.launch = lambda out, after=None: (computed.append(out.num_batched_tokens), launch(out, after))[1]
     assert _greedy(engine, prompts) == greedy_refs
     # Cached blocks are skipped: far fewer prompt tokens than the prompts hold are computed.
     assert sum(computed) < sum(len(p) for p in prompts) + len(prompts) * 24
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption(make_engine, greedy_refs, mode):
+def test_preemption(make_engine, greedy_refs, mode, async_scheduling):
     # 12 blocks of 16 tokens cannot hold 8 sequences of up to 64 tokens at once.
-    engine = make_engine(num_kv_blocks=12, preemption_mode=mode)
+    engine = make_engine(num_kv_blocks=12, preemption_mode=mode, async_scheduling=async_scheduling)
     moves = _count_moves(engine)
     prompts = _prompts()
     outputs = engine.generate(prompts, [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(prompts))
