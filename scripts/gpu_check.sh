@@ -4,8 +4,8 @@
 # after each suite: the machine returns at most 8 files). Usage:
 #   bash scripts/gpu_check.sh [suite ...]      a+b runs suites a and b at once (e.g. fi-fixed+ours)
 # suites: torch triton flash_attn flashinfer xformers ours kernels kernels-all bench engine encdec
-#         fi-fixed engine-fixed pool-sizing fa-interface fa-backend whisper fa4 fa4-suite backends overhead
-#         engine-bench engine-bench-fi engine-bench-full (SHAPE=llama3-8b by default), and the
+#         fi-fixed engine-fixed pool-sizing fa-interface fa-backend whisper kernels-paged engine-async
+#         fa4 fa4-suite backends overhead engine-bench engine-bench-fi engine-bench-full (SHAPE=llama3-8b by default), and the
 #         FlashInfer build steps below. Each failure is listed in summary.txt as it happens, so a
 #         suite cut by its time limit still names them.
 #
@@ -74,6 +74,13 @@ suite() {
     pool-sizing)  # alone: it sizes a KV pool to 90% of the free GPU memory, which starves suites beside it
       run pool-sizing 120 python -m pytest tests/engine/test_pool_sizing.py --backend triton --device cuda -q \
         -p no:cacheprovider --tb=short -rfEs ;;
+    kernels-paged)  # the paged-attention kernel's own tests (split-KV included) and the merge of states
+      run kernels-paged "${KLIMIT:-200}" python -m pytest tests/kernels/test_paged_attention.py \
+        tests/kernels/test_merge_attn_states.py --device cuda -q -p no:cacheprovider -n 4 --tb=short -rfEs ;;
+    engine-async)  # engine end to end on CUDA, where async scheduling is on by default
+      run engine-async "${ELIMIT:-300}" python -m pytest tests/engine/test_async_scheduling.py \
+        tests/engine/test_generate.py tests/engine/test_requests.py tests/serve --backend triton --device cuda -q \
+        -p no:cacheprovider -n 4 --tb=short -rfEs --durations=10 ;;
     kernels) run kernels "${KLIMIT:-150}" python -m pytest tests/kernels/test_kernels_gpu.py -q -p no:cacheprovider ;;
     kernels-all) run kernels-all "${KLIMIT:-240}" python -m pytest tests/kernels --device cuda -q -p no:cacheprovider \
         -n "${WORKERS:-6}" --tb=short -rfEs --durations=15 ;;

@@ -14,7 +14,8 @@ Per shape, in one process:
    not `sharegpt`), after our engine is freed, so each side has the device's memory.
 2. the decode step: every engine step of 64 requests (128-token prompts) once all are in
    decode, timed; its median against the floor (weights + K/V read once at the device-to-device
-   copy bandwidth measured at the start of the run).
+   copy bandwidth measured at the start of the run); with async scheduling on (CUDA), again
+   with it off, which shows the host's share of a step.
 3. online: `pagedattn serve`'s app on loopback under a Poisson request rate (sharegpt lengths),
    TTFT / TPOT / ITL p50 and p99 (`engine_online`); skipped, with the reason, without fastapi.
 Targets (Llama-3-8B on an H100): decode step within 1.3x of its floor, >= 5x transformers,
@@ -203,9 +204,13 @@ def _bench_shape(shape: str, s: dict, bandwidth: float, rows: list[dict], bar) -
             s["reps"], s["max_cell_s"], bar.update)
         ours[workload, batch] = _row(rows, shape, "pagedattn", backend, s, workload, batch, lengths, cell)
     bar.set_description(f"{shape}: decode step")
-    info["decode_step"] = offline.decode_step(engine, batch=DECODE_BATCH, prompt_len=DECODE_PROMPT,
-                                              steps=s["decode_steps"], seed=s["seed"],
-                                              weight_bytes=info["weight_bytes_read"], bandwidth=bandwidth)
+    step = dict(batch=DECODE_BATCH, prompt_len=DECODE_PROMPT, steps=s["decode_steps"], seed=s["seed"],
+                weight_bytes=info["weight_bytes_read"], bandwidth=bandwidth)
+    info["decode_step"] = offline.decode_step(engine, **step)
+    if engine.async_scheduling:  # the same steps, each read before the next is queued: what async hides
+        engine.async_scheduling = False
+        info["decode_step_sync"] = offline.decode_step(engine, **step)
+        engine.async_scheduling = True
     bar.update()
     if s["online"]:
         why = online.unavailable_reason()

@@ -196,6 +196,11 @@ def print_summary(result: dict) -> None:
             p(f"{shape}: FAILED: {s['error']}")
         for why in s.get("skipped", []):
             p(f"{shape}: {why}")
+        d, sync = s.get("decode_step"), s.get("decode_step_sync")
+        if d:
+            p(f"{shape} decode step at batch {d['batch']}: {d['median_step_s'] * 1e3:.2f} ms (p10 "
+              f"{d['p10_step_s'] * 1e3:.2f}, p90 {d['p90_step_s'] * 1e3:.2f}), floor {d['floor_s'] * 1e3:.2f} ms"
+              + (f"; without async scheduling {sync['median_step_s'] * 1e3:.2f} ms" if sync else ""))
         o = s.get("online")
         if o:
             f = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731

@@ -290,11 +290,11 @@ class ModelRunner:
         if flat:
             index = [j for j, i in enumerate(sampled) for _ in rows[i]]  # logits row of each draw
             batch = SamplingBatch.build(flat, self.spec.vocab_size, self.device)
-            tokens, logprobs = self.sampler.sample(logits.index_select(0, self._index(index)), batch)
+            tokens, logprobs = self.sampler.sample(logits.index_select(0, self._device_ints(index)), batch)
         beams = [(j, i) for j, i in enumerate(sampled) if chunks[i].group.is_beam]
         beam_logprobs = {}
         if beams:
-            full = torch.log_softmax(logits.index_select(0, self._index([j for j, _ in beams])), dim=-1)
+            full = torch.log_softmax(logits.index_select(0, self._device_ints([j for j, _ in beams])), dim=-1)
             beam_logprobs = {i: row for (_, i), row in zip(beams, full)}
         layout = [len(r) for r in rows]
         starts = [0, *itertools.accumulate(layout)]
@@ -302,9 +302,13 @@ class ModelRunner:
         return LaunchedStep(layout=layout, tokens=tokens, logprobs=logprobs, beam_logprobs=beam_logprobs,
                             row_of=row_of)
 
-    def _index(self, rows: list[int]) -> torch.Tensor:
-        """rows as an int64 index tensor on the device."""
-        return torch.tensor(rows, dtype=torch.int64).to(self.device)
+    def _device_ints(self, rows: list) -> torch.Tensor:
+        """rows as an int64 tensor on the device, without waiting for the device: a pinned,
+        non-blocking copy (a pageable one would wait for every queued step, async scheduling's)."""
+        flat = torch.tensor(rows, dtype=torch.int64)
+        if self.device.type == "cuda":
+            return flat.pin_memory().to(self.device, non_blocking=True)
+        return flat.to(self.device)
 
     def _execute_multistep(self, out: SchedulerOutput) -> list[StepResult]:
         """`out.num_steps` decode steps of a decode-only batch, sampling on the device and
@@ -347,7 +351,7 @@ class ModelRunner:
                 for gpu, cpu in zip(gpus, cpus):
                     self.backend.swap_blocks(cpu, gpu, mapping)
         if out.copies:  # cross blocks are never written after their prefill: no copy-on-write
-            self.backend.copy_blocks(self.kv_caches[:n], torch.tensor(out.copies, dtype=torch.int64).to(self.device))
+            self.backend.copy_blocks(self.kv_caches[:n], self._device_ints(out.copies))
 
     def _prepare(self, chunks: list[ScheduledChunk], after: LaunchedStep | None = None):
         """Input ids and positions int64 [T], sampled-row indices int64 [S] (one H2D copy), and
@@ -366,9 +370,7 @@ class ModelRunner:
             if c.sample:
                 sample_idx.append(len(positions) - 1)
         seqs = [c.scheduled for c in chunks]
-        flat = torch.tensor(ids + positions + sample_idx, dtype=torch.int64)
-        if self.device.type == "cuda":
-            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        flat = self._device_ints(ids + positions + sample_idx)
         t = len(ids)
         ids_t = flat[:t] if after is None else after.tokens.index_select(0, flat[:t])
         return ids_t, flat[t : 2 * t], flat[2 * t :], seqs
@@ -390,7 +392,7 @@ class ModelRunner:
                     ids += c.seq.encoder_token_ids
         if not positions:
             return None
-        flat = torch.tensor(ids + positions, dtype=torch.int64).to(self.device)
+        flat = self._device_ints(ids + positions)
         if self.audio is not None:
             return features, flat
         return flat[: len(ids)], flat[len(ids) :]
