@@ -78,9 +78,10 @@ suite() {
       run kernels-paged "${KLIMIT:-200}" python -m pytest tests/kernels/test_paged_attention.py \
         tests/kernels/test_merge_attn_states.py --device cuda -q -p no:cacheprovider -n 4 --tb=short -rfEs ;;
     engine-async)  # engine end to end on CUDA, where async scheduling is on by default
+      # (and the models, whose Llama-family layers run the fused kernels on CUDA); carry .peers (gguf)
       run engine-async "${ELIMIT:-300}" python -m pytest tests/engine/test_async_scheduling.py \
-        tests/engine/test_generate.py tests/engine/test_requests.py tests/serve --backend triton --device cuda -q \
-        -p no:cacheprovider -n 4 --tb=short -rfEs --durations=10 ;;
+        tests/engine/test_generate.py tests/engine/test_requests.py tests/models tests/kernels/test_fused_layers.py \
+        --backend triton --device cuda -q -p no:cacheprovider -n 4 --tb=short -rfEs --durations=10 ;;
     kernels) run kernels "${KLIMIT:-150}" python -m pytest tests/kernels/test_kernels_gpu.py -q -p no:cacheprovider ;;
     kernels-all) run kernels-all "${KLIMIT:-240}" python -m pytest tests/kernels --device cuda -q -p no:cacheprovider \
         -n "${WORKERS:-6}" --tb=short -rfEs --durations=15 ;;

@@ -233,7 +233,9 @@ def decode_step(engine, *, batch: int, prompt_len: int, steps: int, seed: int, w
     """Time every `engine.step()` of `batch` requests (prompt `prompt_len`, `steps` + 1 output
     tokens); a step counts as a pure decode step of the whole batch when, before it, every
     request has its first token, all are running and none has finished. Its floor: the weights plus the K/V of
-    every context token (at the median step) read once at `bandwidth` bytes/s."""
+    every context token (at the median step) read once at `bandwidth` bytes/s. `graph_replay_s`: the
+    model's device time alone (its CUDA graph replayed mid-run; None without graphs), so the
+    step's remainder is sampling and host work not hidden behind the device."""
     spec = engine.spec
     per_token = kv_bytes_per_token(spec, engine.runner.cache_dtype)
     lengths = [(prompt_len, steps + 1)] * batch
@@ -243,6 +245,7 @@ def decode_step(engine, *, batch: int, prompt_len: int, steps: int, seed: int, w
     generated = dict.fromkeys(ids, 0)
     finished: set[str] = set()
     times, contexts = [], []
+    replay = None
     while engine.has_unfinished():
         stats = engine.stats()  # none preempted (waiting again, or swapped out)
         pure = not finished and min(generated.values()) > 0 and stats.num_running == batch
@@ -252,6 +255,8 @@ def decode_step(engine, *, batch: int, prompt_len: int, steps: int, seed: int, w
         if pure:
             times.append(elapsed)
             contexts.append(sum(prompt_len + g for g in generated.values()))
+            if len(times) == steps // 2:  # mid-run, requests still running: the model's device time alone
+                replay = engine.runner.time_decode_graph(batch)
         for out in outs:
             generated[out.request_id] = len(out.outputs[0].token_ids)
             if out.finished:
@@ -264,7 +269,8 @@ def decode_step(engine, *, batch: int, prompt_len: int, steps: int, seed: int, w
     q = statistics.quantiles(times, n=10) if len(times) > 1 else [step] * 9
     return {"batch": batch, "steps_timed": len(times), "median_step_s": step, "p10_step_s": q[0],
             "p90_step_s": q[-1], "median_context_tokens": context, "weight_bytes": weight_bytes,
-            "kv_bytes": per_token * context, "floor_s": floor, "ratio_to_floor": step / floor}
+            "kv_bytes": per_token * context, "floor_s": floor, "ratio_to_floor": step / floor,
+            "graph_replay_s": replay}
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, copies: int = 10, trials: int = 5) -> float:

@@ -200,6 +200,7 @@ def print_summary(result: dict) -> None:
         if d:
             p(f"{shape} decode step at batch {d['batch']}: {d['median_step_s'] * 1e3:.2f} ms (p10 "
               f"{d['p10_step_s'] * 1e3:.2f}, p90 {d['p90_step_s'] * 1e3:.2f}), floor {d['floor_s'] * 1e3:.2f} ms"
+              + (f"; model alone (graph replay) {d['graph_replay_s'] * 1e3:.2f} ms" if d.get("graph_replay_s") else "")
               + (f"; without async scheduling {sync['median_step_s'] * 1e3:.2f} ms" if sync else ""))
         o = s.get("online")
         if o:

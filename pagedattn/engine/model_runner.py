@@ -433,6 +433,25 @@ class ModelRunner:
         """The smallest captured batch size that holds `batch_size` sequences, or None (eager)."""
         return min((s for s in self.graphs if s >= batch_size), default=None)
 
+    def time_decode_graph(self, batch_size: int, reps: int = 20) -> float | None:
+        """Device seconds of one replay of the graph that serves `batch_size` decodes (the model
+        without sampling or host work), the median of `reps` timed back to back after its inputs
+        as the last step left them; None without graphs. It rewrites the K/V slots that step
+        wrote, with the same values: call it between steps of running requests (benchmarks)."""
+        size = self._graph_size(batch_size)
+        if size is None:
+            return None
+        graph = self.graphs[size].graph
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            times.append((start, end))
+        torch.cuda.synchronize(self.device)
+        return sorted(s.elapsed_time(e) for s, e in times)[reps // 2] / 1e3
+
     def _capture_graphs(self) -> None:
         max_bs = self.max_num_seqs
         sizes = sorted({s for s in [1, 2, 4, 8, *range(16, max_bs + 1, 16)] if s <= max_bs} | {max_bs})

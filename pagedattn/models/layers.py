@@ -70,15 +70,30 @@ def head_size_of(config) -> int:
 
 
 class RMSNorm(nn.Module):
-    """Llama-style RMSNorm: normalise in float32, cast back, then scale by `weight` in the model dtype."""
+    """Llama-style RMSNorm: normalise in float32, cast back, then scale by `weight` in the model dtype.
+
+    With `residual`, first adds it (the residual stream, in the model dtype) and returns the sum
+    too, so a decoder layer's `h + delta` and the next norm are one step. On CUDA one Triton
+    kernel (`kernels.fused_layers.rms_norm`, same rounding) runs both."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden], same dtype."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x (and residual): [T, hidden] -> normed [T, hidden], same dtype; with `residual`,
+        (normed x + residual, x + residual)."""
+        if x.is_cuda:
+            from pagedattn.kernels.fused_layers import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         shape = (x.shape[-1],)
         if x.dtype == torch.float32:  # the same math as below, one fused op
             return F.rms_norm(x, shape, self.weight, self.eps)
@@ -147,6 +162,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((torch.addcmul(x1 * cos, x2, sin, value=-1), torch.addcmul(x2 * cos, x1, sin)), dim=-1)
+
+
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` written into x ([T, H, D], head dim contiguous) and returned: on CUDA one
+    Triton kernel in place (`kernels.fused_layers.rotary_`), elsewhere `apply_rope` copied back."""
+    if x.is_cuda:
+        from pagedattn.kernels.fused_layers import rotary_
+
+        return rotary_(x, cos, sin)
+    return x.copy_(apply_rope(x, cos, sin))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2I], gate then up (a stacked projection) -> silu(gate) * up, [T, I]; on CUDA one
+    Triton kernel (`kernels.fused_layers.silu_and_mul`, same rounding)."""
+    if x.is_cuda:
+        from pagedattn.kernels.fused_layers import silu_and_mul as fused
+
+        return fused(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)  # in place: one [T, I] buffer fewer
 
 
 class StackedLinear(nn.Linear):

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedattn.layer import Attention
@@ -20,11 +19,12 @@ from pagedattn.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     StackedLinear,
-    apply_rope,
+    apply_rope_,
     head_size_of,
     layer_sliding_windows,
     load_weights,
     rope_inv_freq,
+    silu_and_mul,
 )
 
 
@@ -66,8 +66,9 @@ class LlamaAttention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_size)
-        q, k = apply_rope(qk, cos, sin).flatten(1).split((self.q_size, self.kv_size), dim=-1)  # one rope for both
-        out = self.attn(q, k, qkv[:, self.q_size + self.kv_size :])
+        apply_rope_(qk, cos, sin)  # q and k heads in one pass, in place
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        out = self.attn(q, k, v)
         return self.o_proj(out)
 
 
@@ -78,8 +79,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))  # in place: one [T, I] buffer fewer
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -92,9 +92,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, delta: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is `residual + delta` (the embeddings alone before the first layer:
+        residual None); each norm adds the pending delta first. Returns the next (delta, residual)."""
+        if residual is None:
+            x, residual = self.input_layernorm(delta), delta
+        else:
+            x, residual = self.input_layernorm(delta, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin), residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -114,9 +121,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary_emb(positions, h.dtype)
+        residual = None
         for layer in self.layers:
-            h = layer(h, cos, sin)
-        return self.norm(h)
+            h, residual = layer(h, residual, cos, sin)
+        return self.norm(h) if residual is None else self.norm(h, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
