@@ -25,7 +25,7 @@ class LLM:
         CPU, the model's half precision on CUDA), "float32", "bfloat16", "float16".
     block_size: tokens per KV-cache block. kv_cache_dtype: "auto", "fp8", "fp8_e4m3", "fp8_e5m2".
     max_num_seqs / max_num_batched_tokens: sequences / tokens per step (tokens default to 2048
-        with chunked prefill, else to the model's context if larger).
+        on the CPU and 8192 on CUDA with chunked prefill, else to the model's context if larger).
     enable_prefix_caching: reuse cached KV blocks of identical prompt prefixes.
     enable_chunked_prefill: split long prompts across steps, batched with decodes.
     num_scheduler_steps: decode steps run back to back on the device per scheduling.

@@ -147,7 +147,7 @@ suite() {
       fi ;;
     # engine benchmark: results (JSON, CSV, PNG) under $LOGS/<suite>/ in logs.tgz, its table in summary.txt
     engine-bench|engine-bench-fi|engine-bench-full)
-      args=(--quick --backend triton)
+      args=(--quick --backend triton ${SHAPES:+--model-shape "$SHAPES"})  # SHAPES: a comma list (default: all)
       [ "$s" = engine-bench-fi ] && args=(--quick --backend flashinfer)
       [ "$s" = engine-bench-full ] && args=(--model-shape "${SHAPE:-llama3-8b}" --backend triton)
       run "$s" "${LIMIT:-590}" python -m pagedattn bench engine "${args[@]}" --out "$LOGS/$s"

@@ -128,7 +128,7 @@ class ModelRunner:
         self.device = device
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
-        self.max_num_batched_tokens = config.batched_tokens(self.spec.max_model_len)
+        self.max_num_batched_tokens = config.batched_tokens(self.spec.max_model_len, device)
         lookahead = config.num_scheduler_steps - 1
         self.max_blocks_per_seq = cdiv(self.spec.max_model_len + 1 + lookahead, self.block_size)
         self.builder = backend.get_builder_cls()(
