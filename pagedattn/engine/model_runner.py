@@ -21,6 +21,7 @@ eagerly: the graph states' metadata carry no cross tables.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import math
@@ -460,8 +461,25 @@ class ModelRunner:
         self._graph_out = torch.zeros(max_bs, self.spec.hidden_size, dtype=self.spec.dtype, device=self.device)
         state = self.backend.get_state_cls()(max_bs, self.max_blocks_per_seq, self.block_size, self.device)
         state.set_layers(self.attention_impls)
+        # No garbage collection inside a capture: a cycle collected there (an old engine: its
+        # graphs, pinned buffers, events) frees CUDA resources, which invalidates the capture
+        # (seen as CUBLAS_STATUS_INTERNAL_ERROR); PyTorch's `torch.cuda.graph` no longer collects.
+        gc.collect()
+        torch.cuda.empty_cache()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture_sizes(sizes, state)
+        finally:
+            if collecting:
+                gc.enable()
+        torch.cuda.synchronize(self.device)
+        logger.info("captured CUDA graphs for decode batch sizes %s", sizes)
+
+    def _capture_sizes(self, sizes: list[int], state: AttentionState) -> None:
+        """Warm up and capture one graph per batch size, largest first, sharing one memory pool."""
         pool = None
-        with torch.inference_mode(), state.graph_capture(max_bs):
+        with torch.inference_mode(), state.graph_capture(self.max_num_seqs):
             for bs in reversed(sizes):  # largest first, so smaller graphs reuse its memory pool
                 md = state.graph_capture_get_metadata_for_batch(bs)
                 graph_state = state.graph_clone(bs)
@@ -475,5 +493,3 @@ class ModelRunner:
                         self._graph_out[:bs] = self.model(ids, pos)
                 pool = graph.pool() if pool is None else pool
                 self.graphs[bs] = _Graph(graph, graph_state, graph_state.get_graph_input_buffers(md))
-        torch.cuda.synchronize(self.device)
-        logger.info("captured CUDA graphs for decode batch sizes %s", sizes)
