@@ -68,6 +68,15 @@ class AttendCall:
     def is_prefill_part(self) -> bool:
         return self.md.num_prefills > 0
 
+    @property
+    def keys_are_step_rows(self) -> bool:
+        """A cache call of fresh prompts only (no cached prefix, no decode): its keys and values
+        are exactly the step's own rows `step_k`/`step_v`, which a backend may read instead of
+        the cache (contiguous, in the model dtype: an FP8 cache's rounding not applied)."""
+        md = self.md
+        return (self.source is Source.CACHE and self.step_k is not None and md.fresh_prefills
+                and md.num_prefills > 0 and md.num_decode_tokens == 0)
+
 
 class AttentionImpl:
     """One layer's attention. Construction validates every option against the backend's

@@ -160,7 +160,7 @@ class FlashAttnImpl(AttentionImpl):
             fa.flash_attn_with_kvcache(q.unsqueeze(1), call.k, call.v, cache_seqlens=call.kv_lens,
                                        block_table=call.block_tables, out=out.unsqueeze(1), **options)
             return
-        if call.source is Source.CACHE and md.fresh_prefills:  # ragged: the prompts' keys are the step's
+        if call.keys_are_step_rows:  # ragged: the prompts' keys are the step's
             options.pop("k_descale", None), options.pop("v_descale", None)
             fa.flash_attn_varlen_func(q, call.step_k, call.step_v, call.query_start_loc, call.query_start_loc,
                                       call.max_query_len, call.max_query_len, out=out, **options)

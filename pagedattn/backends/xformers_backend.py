@@ -221,7 +221,7 @@ class XFormersImpl(triton_backend.TritonImpl):
         the paged cache (all blocks: [num_blocks * block_size, Hkv, D])."""
         if call.source is Source.STEP:
             return call.k, call.v, False
-        if call.is_prefill_part and call.source is Source.CACHE and call.md.fresh_prefills:
+        if call.keys_are_step_rows:
             return call.step_k, call.step_v, False
         return call.k.flatten(0, 1), call.v.flatten(0, 1), True
 
