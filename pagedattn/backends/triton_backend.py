@@ -3,8 +3,8 @@
 Every part of a DECODER step (prefills over cached prefixes and decodes) goes through ONE
 launch of the paged-attention kernel; a step of fresh prompts only reads its keys from the
 step's own rows (contiguous) instead of the cache. Encoder, encoder-only and cross attention
-use the same kernel, non-causal, over contiguous K/V or the cross-attention blocks. Nothing in `forward`
-synchronises with the host or plans: launch parameters come from the metadata's host ints,
+use the same kernel, non-causal, over contiguous K/V or the cross-attention blocks. Nothing in
+`forward` synchronises with the host or plans: launch parameters come from the metadata's host ints,
 the split-KV scratch is allocated once per (device, heads, head size), and FP8 scales come from the
 layer's `KVScales` as device scalars, so decode steps capture in CUDA graphs.
 """
@@ -101,7 +101,7 @@ class TritonImpl(AttentionImpl):
 
         k, v, tables, kv_start_loc = call.k, call.v, call.block_tables, call.kv_start_loc
         if call.keys_are_step_rows:  # contiguous reads, no block table (H100, 4x4k: 417 vs 288 TFLOP/s)
-            k, v, tables, kv_start_loc, scales = call.step_k, call.step_v, None, call.query_start_loc, None
+            k, v, tables, kv_start_loc = call.step_k, call.step_v, None, call.query_start_loc
         paged_attention(
             q, k, v, out,
             query_start_loc=call.query_start_loc, seq_lens=call.kv_lens, block_tables=tables,

@@ -73,11 +73,11 @@ class LaunchedStep:
     after it.
     """
 
-    def __init__(self, *, results: list[StepResult] | None = None, layout: list[int] | None = None,
+    def __init__(self, *, results: list[StepResult] | None = None, bounds: list[int] | None = None,
                  tokens: torch.Tensor | None = None, logprobs: torch.Tensor | None = None,
                  beam_logprobs: dict[int, torch.Tensor] | None = None, row_of: dict[int, int] | None = None):
         self._results = results
-        self._layout = layout or []  # draws of each chunk
+        self._bounds = bounds or [0]  # chunk i's draws are rows bounds[i]..bounds[i+1]
         self._beam_logprobs = beam_logprobs or {}
         self.tokens = tokens
         self.row_of = row_of or {}
@@ -100,13 +100,10 @@ class LaunchedStep:
             tokens, logprobs = [], []
             if self._host is not None:
                 tokens, logprobs = [int(t) for t in self._host[0].tolist()], self._host[1].tolist()
-            ends = list(itertools.accumulate(self._layout))
-            starts = [0, *ends[:-1]]
-            self._results = [StepResult(
-                tokens=[tokens[a:b] for a, b in zip(starts, ends)],
-                logprobs=[logprobs[a:b] for a, b in zip(starts, ends)],
-                beam_logprobs=self._beam_logprobs,
-            )]
+            spans = list(zip(self._bounds, self._bounds[1:]))
+            self._results = [StepResult(tokens=[tokens[a:b] for a, b in spans],
+                                        logprobs=[logprobs[a:b] for a, b in spans],
+                                        beam_logprobs=self._beam_logprobs)]
         return self._results
 
 
@@ -257,14 +254,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
 
-    def execute(self, out: SchedulerOutput) -> list[StepResult]:
-        """Move blocks, run the step and sample it: one `StepResult` per model step
-        (`out.num_steps` of them; none when no chunk was scheduled)."""
-        return self.launch(out).results()
-
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, after: LaunchedStep | None = None) -> LaunchedStep:
-        """Queue the step's block moves, model and sampler; read what it drew with `results()`.
+        """Queue the step's block moves, model and sampler; read what it drew with `results()`
+        (one `StepResult` per model step: `out.num_steps`, none when no chunk was scheduled).
 
         `after`: the launched step that `out` continues (`Scheduler.schedule_next_decodes`):
         each chunk's input token is that step's draw for its sequence, read on the device,
@@ -297,10 +290,9 @@ class ModelRunner:
         if beams:
             full = torch.log_softmax(logits.index_select(0, self._device_ints([j for j, _ in beams])), dim=-1)
             beam_logprobs = {i: row for (_, i), row in zip(beams, full)}
-        layout = [len(r) for r in rows]
-        starts = [0, *itertools.accumulate(layout)]
-        row_of = {id(c.seq): starts[i] for i, c in enumerate(chunks) if layout[i] == 1}
-        return LaunchedStep(layout=layout, tokens=tokens, logprobs=logprobs, beam_logprobs=beam_logprobs,
+        bounds = [0, *itertools.accumulate(len(r) for r in rows)]
+        row_of = {id(c.seq): bounds[i] for i, c in enumerate(chunks) if len(rows[i]) == 1}
+        return LaunchedStep(bounds=bounds, tokens=tokens, logprobs=logprobs, beam_logprobs=beam_logprobs,
                             row_of=row_of)
 
     def _device_ints(self, rows: list) -> torch.Tensor:
@@ -439,6 +431,8 @@ class ModelRunner:
         without sampling or host work), the median of `reps` timed back to back after its inputs
         as the last step left them; None without graphs. It rewrites the K/V slots that step
         wrote, with the same values: call it between steps of running requests (benchmarks)."""
+        if reps < 1:
+            raise ValueError(f"expected reps >= 1, got {reps}")
         size = self._graph_size(batch_size)
         if size is None:
             return None

@@ -46,7 +46,7 @@ class OutputProcessor:
         self.seq_ids = seq_ids
 
     def process(self, out: SchedulerOutput, results: list[StepResult]) -> None:
-        """Apply the step's results (one per model step, see `ModelRunner.execute`)."""
+        """Apply the step's results (one per model step, see `ModelRunner.launch`)."""
         if not results:  # nothing ran (only swaps, preemptions or errors)
             return
         # Model step k computed each chunk's tokens up to seq_len + k (multi-step: a decode per step).

@@ -221,23 +221,20 @@ class Scheduler:
         if not live or len(live) != sum(len(g.live_seqs) for g in self.running):
             return None
         running = {id(s) for g in self.running for s in g.live_seqs}
-        nxt = []
+        plan: list[tuple[SequenceGroup, Sequence, ScheduledSeq]] = []
         for c in live:
-            seq, params = c.seq, c.group.params
-            if id(seq) not in running or not c.sample or c.group.is_beam or c.group.needs_fork:
+            seq, group = c.seq, c.group
+            if id(seq) not in running or not c.sample or group.is_beam or group.needs_fork:
                 return None
             known = c.scheduled.seq_len  # the tokens `prev` computes; it samples token `known`
             assert len(seq) == known, (len(seq), c.scheduled)
-            if seq.num_output_tokens + 1 < params.max_tokens and known + 1 < self.max_model_len:
-                nxt.append((c, known + 1))
-        if not nxt or sum(self.bm.blocks_needed(c.seq, n) for c, n in nxt) > self.bm.num_free_blocks:
+            if seq.num_output_tokens + 1 < group.params.max_tokens and known + 1 < self.max_model_len:
+                plan.append((group, seq, ScheduledSeq(known + 1, 1, encoder_len=seq.encoder_len)))
+        if not plan or self._blocks_needed([(s, st, True) for _, s, st in plan]) > self.bm.num_free_blocks:
             return None
-        out = SchedulerOutput()
-        for c, n in nxt:
-            seq = c.seq
-            out.copies += self.bm.ensure_slots(seq, n)
-            scheduled = ScheduledSeq(n, 1, tuple(seq.block_table), seq.encoder_len, tuple(seq.cross_block_table))
-            out.chunks.append(ScheduledChunk(seq, c.group, scheduled, True))
+        out, budget = SchedulerOutput(), _Budget(self.max_num_batched_tokens, self.max_num_seqs)
+        for group, seq, step in plan:
+            self._commit(group, [(seq, step, True)], out, budget)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: _Budget) -> None:
