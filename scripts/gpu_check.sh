@@ -5,7 +5,7 @@
 #   bash scripts/gpu_check.sh [suite ...]      a+b runs suites a and b at once (e.g. fi-fixed+ours)
 # suites: torch triton flash_attn flashinfer xformers ours kernels kernels-all bench engine encdec
 #         fi-fixed engine-fixed pool-sizing fa-interface fa-backend whisper kernels-paged engine-async
-#         fa4 fa4-suite mslk backends overhead engine-bench engine-bench-fi engine-bench-full (SHAPE=llama3-8b by default), and the
+#         fa4 fa4-suite mslk xformers-mslk backends overhead engine-bench engine-bench-fi engine-bench-full (SHAPE=llama3-8b by default), and the
 #         FlashInfer build steps below. Each failure is listed in summary.txt as it happens, so a
 #         suite cut by its time limit still names them.
 #
@@ -122,15 +122,23 @@ suite() {
           tests/kernels/test_flash_attn_dao.py --backend flash_attn --device cuda -q -p no:cacheprovider \
           -n "${WORKERS:-6}" --tb=short -rfEs --durations=10
       fi ;;
-    mslk)  # carry .mslk (mslk-cuda 1.1.0's wheel, 44.5 MB, alone: with .peers it exceeds a call's 64 MiB)
-      if [ ! -d /tmp/mslksite/mslk ]; then
+    mslk|xformers-mslk)  # carry .mslk (mslk-cuda 1.1.0's wheel, 44.5 MB; with .peers it passes 64 MiB)
+      if [ ! -d /tmp/mslksite/mslk ] && ls .mslk/*.whl > /dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/mslksite .mslk/*.whl \
           || echo "mslk: install failed" | tee -a "$summary"
       fi
-      PYTHONPATH="/tmp/mslksite:$PYTHONPATH" run mslk "${MSLK_LIMIT:-300}" python scripts/mslk_probe.py --out "$LOGS/mslk.json"
-      python -c "import json; r = json.load(open('$LOGS/mslk.json')); print('mslk', r.get('mslk'), r.get('import_error', ''), \
-        {k: {c: v.get('us', v.get('error', v.get('refused'))) for c, v in o.items() if isinstance(v, dict)} \
-        for k, o in r.get('operators', {}).items()})" 2>&1 | cut -c1-3000 | tee -a "$summary" ;;
+      if [ "$s" = mslk ]; then
+        PYTHONPATH="/tmp/mslksite:$PYTHONPATH" run mslk "${MSLK_LIMIT:-300}" python scripts/mslk_probe.py --out "$LOGS/mslk.json"
+        python -c "import json; r = json.load(open('$LOGS/mslk.json')); print('mslk', r.get('mslk'), r.get('import_error', ''), \
+          {k: {c: v.get('us', v.get('error', v.get('refused'))) for c, v in o.items() if isinstance(v, dict)} \
+          for k, o in r.get('operators', {}).items()})" 2>&1 | cut -c1-3000 | tee -a "$summary"
+      else  # the xformers backend suite with MSLK's fmha as its provider (pinned: an error if it does not run)
+        PYTHONPATH="/tmp/mslksite:$PYTHONPATH" PAGEDATTN_XFORMERS_PROVIDER=mslk python -m pagedattn info 2>&1 \
+          | grep xformers | cut -c1-1500 | tee -a "$summary"
+        PYTHONPATH="/tmp/mslksite:$PYTHONPATH" PAGEDATTN_XFORMERS_PROVIDER=mslk run xformers-mslk "${XLIMIT:-300}" \
+          python -m pytest tests/backend tests/gpu tests/backend_xformers tests/engine/test_encoder_decoder.py \
+          --backend xformers --device cuda -q -p no:cacheprovider -n "${WORKERS:-6}" --tb=short -rfEs --durations=10
+      fi ;;
     bench) run bench "${BLIMIT:-300}" python -m pagedattn bench kernels ${BENCH_ARGS:---quick} --out "$LOGS/kernels"  # e.g. BENCH_ARGS="--grid decode --splits 1,4,16,64,128"
       sed -n "/^| case/,$p" "$LOGS/bench.log" | head -80 >> "$summary" ;;
     torch-fp16|torch-bf16|triton-fp16|triton-bf16)

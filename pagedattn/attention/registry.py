@@ -71,7 +71,7 @@ def _load(name: str) -> type[AttentionBackend]:
     return getattr(importlib.import_module(entry.module), entry.cls)
 
 
-PROVIDER_ENV_VARS = {"flash_attn": "PAGEDATTN_FLASH_ATTN_PROVIDER"}  # backends with a choice of provider
+PROVIDER_ENV_VARS = {"flash_attn": "PAGEDATTN_FLASH_ATTN_PROVIDER", "xformers": "PAGEDATTN_XFORMERS_PROVIDER"}  # backends with a choice of provider
 
 
 def pinned_provider(backend_name: str) -> str | None:

@@ -17,16 +17,18 @@ functions build that object for each kind of call of the shared forward:
   `(2, num_blocks, block_size * Hkv * D)` is without a copy.
 
 Lengths come from host lists (the metadata's), so building a bias never reads the device; the
-backend builds each bias once per step. tests/backend_xformers checks every bias here, materialised by
-xFormers itself, against the dense oracle. Importing this module imports xformers.
+backend builds each bias once per step. Each function takes the `attn_bias` module of the fmha the
+backend calls (`xformers.ops.fmha.attn_bias` or MSLK's `mslk.attention.fmha.attn_bias`, see
+`xformers_fmha`): an operator accepts only its own module's classes. tests/backend_xformers checks
+every bias here, materialised by xFormers itself, against the dense oracle.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Sequence
 
 import torch
-from xformers.ops.fmha import attn_bias as xb
 
 from pagedattn.intmath import cdiv
 
@@ -34,8 +36,8 @@ from pagedattn.intmath import cdiv
 _BIAS_ALIGN = 8
 
 
-def block_diagonal(q_lens: Sequence[int], kv_lens: Sequence[int], *, causal: bool, sliding_window: int | None,
-                   device: torch.device) -> xb.AttentionBias:
+def block_diagonal(xb: ModuleType, q_lens: Sequence[int], kv_lens: Sequence[int], *, causal: bool, sliding_window: int | None,
+                   device: torch.device):
     """Sequence b's `q_lens[b]` queries over its `kv_lens[b]` keys, both laid out back to back.
 
     Causal biases are for fresh prompts (`q_lens == kv_lens`), where xFormers' top-left
@@ -53,8 +55,8 @@ def block_diagonal(q_lens: Sequence[int], kv_lens: Sequence[int], *, causal: boo
     return mask if sliding_window is None else mask.make_local_attention(sliding_window)
 
 
-def alibi(slopes: torch.Tensor, seq_lens: Sequence[int], *, sliding_window: int | None,
-          dtype: torch.dtype) -> list[xb.LowerTriangularMaskWithTensorBias]:
+def alibi(xb: ModuleType, slopes: torch.Tensor, seq_lens: Sequence[int], *, sliding_window: int | None,
+          dtype: torch.dtype) -> list:
     """One causal bias per fresh prompt of `seq_lens[b]` tokens, holding the ALiBi term.
 
     Args:
@@ -77,8 +79,8 @@ def alibi(slopes: torch.Tensor, seq_lens: Sequence[int], *, sliding_window: int 
     return out
 
 
-def paged(q_lens: Sequence[int], kv_lens: Sequence[int], block_tables: torch.Tensor, block_size: int, *,
-          causal: bool) -> xb.PagedBlockDiagonalPaddedKeysMask:
+def paged(xb: ModuleType, q_lens: Sequence[int], kv_lens: Sequence[int], block_tables: torch.Tensor, block_size: int, *,
+          causal: bool):
     """Sequence b's `q_lens[b]` queries (back to back) over its first `kv_lens[b]` keys through
     `block_tables[b]` (int32 [B, W], block ids into the cache's blocks of `block_size` slots).
 

@@ -26,7 +26,9 @@ from cases import alibi_slopes_for, shapes  # noqa: E402
 from oracle import dense_attention  # noqa: E402
 from paged_batch import make_paged_batch  # noqa: E402
 from pagedattn.backends import xformers_bias  # noqa: E402
-from pagedattn.backends.xformers_backend import XFormersBackend, xformers_reasons  # noqa: E402
+from pagedattn.backends import xformers_fmha  # noqa: E402
+from pagedattn.backends.xformers_backend import XFormersBackend  # noqa: E402
+from xformers.ops.fmha import attn_bias as XB  # noqa: E402
 from xformers.ops.fmha.attn_bias import PagedBlockDiagonalCausalWithOffsetPaddedKeysMask  # noqa: E402
 
 D = 16
@@ -86,12 +88,12 @@ def test_fresh_prompt_biases_match_oracle(shape, option):
     ref, _ = batch.reference(scale=SCALE, sliding_window=window, alibi_slopes=slopes)
     rows = batch.row_ranges()
     if slopes is None:
-        bias = xformers_bias.block_diagonal(md.query_lens, md.seq_lens, causal=True, sliding_window=window,
+        bias = xformers_bias.block_diagonal(XB, md.query_lens, md.seq_lens, causal=True, sliding_window=window,
                                             device=torch.device("cpu"))
         n = md.num_prefill_tokens
         out = apply_dense(batch.query, batch.key, batch.value, bias.materialize((n, n)))
     else:
-        biases = xformers_bias.alibi(torch.tensor(slopes), md.query_lens, sliding_window=window,
+        biases = xformers_bias.alibi(XB, torch.tensor(slopes), md.query_lens, sliding_window=window,
                                      dtype=torch.float32)
         out = torch.cat([apply_dense(batch.query[a:b], batch.key[a:b], batch.value[a:b],
                                      bias.materialize((1, shape.num_heads, b - a, b - a))[0])
@@ -103,7 +105,7 @@ def test_fresh_prompt_biases_match_oracle(shape, option):
 
 def test_causal_block_diagonal_needs_fresh_prompts():
     with pytest.raises(ValueError, match="fresh prompts"):
-        xformers_bias.block_diagonal([2, 3], [5, 3], causal=True, sliding_window=None, device=torch.device("cpu"))
+        xformers_bias.block_diagonal(XB, [2, 3], [5, 3], causal=True, sliding_window=None, device=torch.device("cpu"))
 
 
 # ----------------------------------------------------------------------------- the paged pool
@@ -123,7 +125,7 @@ def test_paged_biases_match_oracle(shape):
     for part, rows in parts:
         if part is None:
             continue
-        bias = xformers_bias.paged(part.query_lens, part.seq_lens, part.block_tables, part.block_size, causal=True)
+        bias = xformers_bias.paged(XB, part.query_lens, part.seq_lens, part.block_tables, part.block_size, causal=True)
         assert isinstance(bias, PagedBlockDiagonalCausalWithOffsetPaddedKeysMask)
         out = apply_dense(batch.query[rows], k_pool, v_pool, materialize_paged(bias, part, num_blocks))
         torch.testing.assert_close(out, ref[rows], atol=1e-9, rtol=1e-9)
@@ -142,7 +144,7 @@ def test_encoder_block_diagonal_matches_oracle():
     q_lens, kv_lens = [q for q, _ in CROSS], [k for _, k in CROSS]
     q = torch.randn(sum(q_lens), 4, D, generator=g)
     k, v = (torch.randn(sum(kv_lens), 2, D, generator=g) for _ in range(2))
-    bias = xformers_bias.block_diagonal(q_lens, kv_lens, causal=False, sliding_window=None,
+    bias = xformers_bias.block_diagonal(XB, q_lens, kv_lens, causal=False, sliding_window=None,
                                         device=torch.device("cpu"))
     out = apply_dense(q, k, v, bias.materialize((sum(q_lens), sum(kv_lens))))
     qs, ks = [0], [0]
@@ -173,7 +175,7 @@ def test_cross_paged_bias_matches_oracle(block_size):
     k_pool[slots], v_pool[slots] = torch.cat(enc_k), torch.cat(enc_v)
     q = torch.randn(md.num_tokens, hq, D, generator=g)
 
-    bias = xformers_bias.paged(md.query_lens, md.encoder_seq_lens, md.cross_block_tables, block_size, causal=False)
+    bias = xformers_bias.paged(XB, md.query_lens, md.encoder_seq_lens, md.cross_block_tables, block_size, causal=False)
     part = _CrossPart(block_size, md.encoder_seq_lens)
     out = apply_dense(q, k_pool, v_pool, materialize_paged(bias, part, num_blocks))
     ref, at = [], 0
@@ -194,19 +196,32 @@ class _CrossPart:
 
 
 def test_cpu_runs_our_kernels_and_says_why():
-    assert xformers_reasons("cpu") == ("xFormers has no cpu kernels",)
+    fmha = xformers_fmha.choose("cpu")
+    assert fmha.module is None and fmha.why_not["xformers"] == "no cpu kernels"
     if not torch.cuda.is_available():
         assert XFormersBackend.provider().startswith("pagedattn.kernels")
         assert "no cpu kernels" in XFormersBackend.provider()
 
 
-@pytest.mark.parametrize("name", ["cutlass", "triton_splitk"])
-def test_smoke_test_reports_instead_of_raising(name):
+@pytest.mark.parametrize("name,role", [("cutlass", "step"), ("flash", "step"), ("triton_splitk", "paged")])
+def test_smoke_test_reports_instead_of_raising(name, role):
     """The operator check behind `provider()` (run at import of the test suite, by `pagedattn
     info`) answers with a reason on a device the operator refuses; it never raises."""
     from xformers.ops import fmha
 
-    from pagedattn.backends.xformers_backend import smoke_test
-
-    why = smoke_test(getattr(fmha, name).FwOp, torch.device("cpu"))
+    why = xformers_fmha.smoke_test(fmha, getattr(fmha, name).FwOp, role, torch.device("cpu"))
     assert "does not run here" in why, why
+
+
+def test_a_pinned_provider_that_cannot_run_is_an_error(monkeypatch):
+    monkeypatch.setenv(xformers_fmha.ENV_VAR, "mslk")
+    xformers_fmha.choose.cache_clear()
+    try:
+        with pytest.raises(xformers_fmha.ProviderUnavailableError, match="mslk"):
+            xformers_fmha.choose("cpu")
+        monkeypatch.setenv(xformers_fmha.ENV_VAR, "ours")
+        xformers_fmha.choose.cache_clear()
+        assert xformers_fmha.choose("cpu").describe().startswith("pagedattn.kernels (our Triton kernels) for every "
+                                                                 "part (pinned by")
+    finally:
+        xformers_fmha.choose.cache_clear()

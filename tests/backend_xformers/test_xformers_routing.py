@@ -13,7 +13,7 @@ pytest.importorskip("xformers.ops.fmha.attn_bias",
 pytest.importorskip("triton")
 
 from cases import Shape, alibi_slopes_for, make_scenario, shapes  # noqa: E402
-from pagedattn.backends import xformers_backend  # noqa: E402
+from pagedattn.backends import xformers_fmha  # noqa: E402
 from pagedattn.backends.xformers_backend import XFormersBackend  # noqa: E402
 
 OPTIONS = {"plain": {}, "window": {"sliding_window": 7}, "alibi": {"alibi": True}}
@@ -24,8 +24,10 @@ FRESH = Shape("fresh_and_decodes", ((0, 9), (0, 20), (0, 1), (5, 1), (40, 1)), b
 @pytest.mark.parametrize("option", list(OPTIONS))
 @pytest.mark.parametrize("shape", [*shapes("mixed", "block_size_5"), FRESH], ids=str)
 def test_every_part_is_planned_and_refused_on_cpu(shape, option, monkeypatch):
-    monkeypatch.setattr(xformers_backend, "operator_reasons",
-                        lambda device_type: dict.fromkeys(xformers_backend.OPERATORS, ""))
+    from xformers.ops import fmha
+
+    ops = {role: tuple(getattr(fmha, name).FwOp for name in names) for role, names in xformers_fmha.ROLES.items()}
+    monkeypatch.setattr(xformers_fmha, "choose", lambda device_type: xformers_fmha.Fmha(fmha, "xformers", ops))
     sc = make_scenario(XFormersBackend, shape, dtype=torch.float32, head_size=16)
     opts = dict(OPTIONS[option])
     if opts.pop("alibi", False):
@@ -60,18 +62,39 @@ PAGED_64 = [Shape("decodes_block64", ((37, 1), (200, 1), (64, 1), (1, 1)), num_h
 def test_operators_that_run_take_their_parts_on_cuda(shape, dtype, device):
     if device.type != "cuda":
         pytest.skip("xFormers' operators run on CUDA only; pass --device cuda")
-    reasons = xformers_backend.operator_reasons("cuda")
-    print(f"xFormers operators on this machine: {reasons}")
+    fmha = xformers_fmha.choose("cuda")
+    print(f"xFormers fmha on this machine: {fmha.describe()}")
     sc = make_scenario(XFormersBackend, shape, dtype=dtype, device=device, head_size=128)
     impl = sc.impl()
     md = sc.build()
     out = sc.forward(impl, md)
     sc.check(out)
-    if xformers_backend.xformers_reasons("cuda"):
-        return  # none of xFormers' operators runs here: every part ran on our kernels (checked above)
     plans = {part: p for part, m in (("prefill", md.prefill_metadata), ("decode", md.decode_metadata))
              if m is not None for p in m.xformers_plans.values()}
-    if not reasons["triton_splitk"]:  # it runs here: the decode part (paged cache) must use it
+    if fmha.module is None:
+        assert not plans, plans  # every part ran on our kernels (checked above)
+        return
+    # the decode part (paged cache, blocks a multiple of 64) goes to triton_splitKF where it runs
+    if fmha.runs("paged"):
         assert plans["decode"].op is not None and plans["decode"].op.NAME == "triton_splitKF", plans
     else:
-        assert plans["decode"].op is None and plans["decode"].why_not == reasons["triton_splitk"], plans
+        assert plans["decode"].op is None, plans
+
+
+def test_fresh_prompts_take_the_step_operator_on_cuda(device):
+    """Fresh prompts over the step's K/V go to the first step operator that takes them (FA2 in
+    MSLK on the H100), GQA and a sliding window included."""
+    if device.type != "cuda":
+        pytest.skip("xFormers' operators run on CUDA only; pass --device cuda")
+    fmha = xformers_fmha.choose("cuda")
+    if not fmha.runs("step"):
+        pytest.skip(f"no step operator runs here: {fmha.describe()}")
+    shape = Shape("fresh", ((0, 37), (0, 130), (0, 1)), num_heads=8, num_kv_heads=2, block_size=16)
+    for opts in ({}, {"sliding_window": 16}, {"alibi_slopes": alibi_slopes_for(8)}):
+        sc = make_scenario(XFormersBackend, shape, dtype=torch.bfloat16, device=device, head_size=128)
+        impl = sc.impl(**opts)
+        md = sc.build()
+        sc.check(sc.forward(impl, md), **opts)
+        plans = list(md.prefill_metadata.xformers_plans.values())
+        assert len(plans) == 1 and plans[0].op is not None, (opts, plans)
+        assert plans[0].op in fmha.ops["step"]
