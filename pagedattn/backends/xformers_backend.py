@@ -188,8 +188,9 @@ class XFormersImpl(triton_backend.TritonImpl):
         if not call.causal:
             return _XPlan(None, why_not="ALiBi without causality")
         per_seq, start = [], 0
-        for b, n in zip(xformers_bias.alibi(xb, self.alibi_slopes_on(q.device), q_lens,
-                                            sliding_window=self.sliding_window, dtype=q.dtype), q_lens):
+        biases = xformers_bias.alibi(xb, self.alibi_slopes_on(q.device), q_lens, num_kv_heads=self.num_kv_heads,
+                                     sliding_window=self.sliding_window, dtype=q.dtype)
+        for b, n in zip(biases, q_lens):
             per_seq.append((b, slice(start, start + n), slice(start, start + n)))
             start += n
         first = per_seq[0]

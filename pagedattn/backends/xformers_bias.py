@@ -36,8 +36,8 @@ from pagedattn.intmath import cdiv
 _BIAS_ALIGN = 8
 
 
-def block_diagonal(xb: ModuleType, q_lens: Sequence[int], kv_lens: Sequence[int], *, causal: bool, sliding_window: int | None,
-                   device: torch.device):
+def block_diagonal(xb: ModuleType, q_lens: Sequence[int], kv_lens: Sequence[int], *, causal: bool,
+                   sliding_window: int | None, device: torch.device):
     """Sequence b's `q_lens[b]` queries over its `kv_lens[b]` keys, both laid out back to back.
 
     Causal biases are for fresh prompts (`q_lens == kv_lens`), where xFormers' top-left
@@ -55,16 +55,20 @@ def block_diagonal(xb: ModuleType, q_lens: Sequence[int], kv_lens: Sequence[int]
     return mask if sliding_window is None else mask.make_local_attention(sliding_window)
 
 
-def alibi(xb: ModuleType, slopes: torch.Tensor, seq_lens: Sequence[int], *, sliding_window: int | None,
-          dtype: torch.dtype) -> list:
+def alibi(xb: ModuleType, slopes: torch.Tensor, seq_lens: Sequence[int], *, num_kv_heads: int,
+          sliding_window: int | None, dtype: torch.dtype) -> list:
     """One causal bias per fresh prompt of `seq_lens[b]` tokens, holding the ALiBi term.
 
     Args:
         slopes: float32 [Hq] on the device of the attention.
         seq_lens: host [B].
+        num_kv_heads: Hkv; the bias follows the backend's grouped query layout [1, T, Hkv, G, D]
+            (xFormers' BMGHK), so it is [1, Hkv, G, L, L] (G = Hq / Hkv): xFormers selects each
+            KV group's (or squeezes G = 1) bias with its queries'.
         dtype: the query's dtype (xFormers adds a tensor bias in it).
     Returns:
-        B biases; bias b is [1, Hq, L, L] (L = seq_lens[b]), a slice of rows padded to a multiple of 8.
+        B biases; bias b is [1, Hkv, G, L, L] (L = seq_lens[b]), a slice of rows padded to a
+        multiple of 8.
     """
     out = []
     for n in seq_lens:
@@ -75,7 +79,8 @@ def alibi(xb: ModuleType, slopes: torch.Tensor, seq_lens: Sequence[int], *, slid
             bias = bias.masked_fill(rel <= -sliding_window, float("-inf"))
         padded = torch.empty(1, bias.shape[0], n, cdiv(n, _BIAS_ALIGN) * _BIAS_ALIGN, dtype=dtype, device=bias.device)
         padded[..., :n] = bias
-        out.append(xb.LowerTriangularMaskWithTensorBias(padded[..., :n]))
+        grouped = padded[..., :n].unflatten(1, (num_kv_heads, bias.shape[0] // num_kv_heads))
+        out.append(xb.LowerTriangularMaskWithTensorBias(grouped))
     return out
 
 

@@ -14,20 +14,20 @@ Two regimes, chosen by the step's largest query length:
 
 from __future__ import annotations
 
-import functools
-import math
 from dataclasses import dataclass, replace
 
 from pagedattn.intmath import cdiv
 
 from ._common import next_pow2
 
-# FA3's split rule (hopper/heuristics.h, restated): programs that fill this share of the SMs
-# run unsplit; otherwise the fewest splits whose wave efficiency is within EFFICIENCY_SLACK of
-# the best count.
-FILL_SHARE = 0.8
-EFFICIENCY_SLACK = 0.85
+# The split rule, fitted on the H100 (docs/PERF.md, "Split-KV policy, measured"): a decode
+# program (16 query rows, 4 warps, ~96 KiB of staged K/V) streams its keys latency-bound, so a
+# launch wants about PROGRAMS_PER_SM resident programs per SM; fewer split each sequence's keys.
+PROGRAMS_PER_SM = 2
+POLICY_MAX_SPLITS = 64  # beyond this the reduction costs more than the split gains (forced counts may go higher)
 MIN_TILES_TO_SPLIT = 5  # at most 4 key tiles (256 keys at BLOCK_N 64): never worth a reduction
+# Launches of 3 to 6 programs per SM (e.g. B=64 x 8 KV heads) ran 4-17% faster in two splits.
+DOUBLE_BAND = (3, 6)
 
 
 @dataclass(frozen=True)
@@ -99,29 +99,22 @@ def choose_num_splits(*, num_seqs: int, num_kv_heads: int, max_query_len: int,
                       max_splits: int) -> int:
     """FlashDecoding split count for a launch of `num_seqs x query tiles x num_kv_heads` programs.
 
-    No split once the programs fill FILL_SHARE of the SMs, or when the longest sequence has fewer
-    than MIN_TILES_TO_SPLIT key tiles. Otherwise, among split counts up to min(max_splits,
-    num_sms, key tiles) that change the tiles per split (9 tiles in 5 or 6 splits is 2 tiles
-    each either way: the extra split would only idle), the fewest whose wave efficiency
-    (waves / ceil(waves), waves = programs * splits / num_sms) is within EFFICIENCY_SLACK of the
-    best. B=1 with 8 KV heads and 1k keys at 64 keys a tile: 16 splits (128 programs).
+    No split when the longest sequence has fewer than MIN_TILES_TO_SPLIT key tiles. With fewer
+    programs than target = PROGRAMS_PER_SM x SMs: the largest power of two <= target // programs,
+    at most POLICY_MAX_SPLITS, the key tiles and `max_splits` (the workspace's room). Between
+    DOUBLE_BAND programs per SM, one query tile per sequence: 2. Otherwise 1. On an H100 (132
+    SMs) with 64-key tiles: 32/8/128 B=1 -> 32 splits (16 at 1k keys: one tile each), B=16 -> 2,
+    B=64 -> 2, B=256 -> 1; 8/1/128 B=1 -> 64, B=16 -> 16, B=64 -> 4, B=256 -> 1.
     """
     programs = num_seqs * cdiv(max(1, max_query_len), block_q) * num_kv_heads
     tiles = cdiv(max(1, max_seq_len), block_n)
-    if max_splits <= 1 or programs >= FILL_SHARE * num_sms or tiles < MIN_TILES_TO_SPLIT:
+    if max_splits <= 1 or tiles < MIN_TILES_TO_SPLIT:
         return 1
-    return _wave_efficient_splits(programs, tiles, num_sms, max_splits)
-
-
-@functools.lru_cache(maxsize=4096)
-def _wave_efficient_splits(programs: int, tiles: int, num_sms: int, max_splits: int) -> int:
-    """The rule's search over split counts; cached, since every layer of a step asks the same
-    question (and the tile count changes only every BLOCK_N keys)."""
-    limit = min(max_splits, num_sms, tiles)
-    efficiency = {}
-    for s in range(1, limit + 1):
-        if s == 1 or cdiv(tiles, s) != cdiv(tiles, s - 1):
-            waves = programs * s / num_sms
-            efficiency[s] = waves / math.ceil(waves)
-    best = max(efficiency.values())
-    return next(s for s, e in efficiency.items() if e >= EFFICIENCY_SLACK * best)
+    target = PROGRAMS_PER_SM * num_sms
+    if programs < target:
+        want = max(1, min(target // programs, POLICY_MAX_SPLITS, tiles, max_splits))
+        return 1 << (want.bit_length() - 1)
+    low, high = DOUBLE_BAND
+    decode_like = max_query_len <= block_q  # one query tile per sequence
+    banded = low * num_sms <= programs < high * num_sms
+    return 2 if decode_like and banded and tiles >= 2 * MIN_TILES_TO_SPLIT else 1

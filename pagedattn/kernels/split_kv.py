@@ -77,9 +77,9 @@ class SplitKVWorkspace:
 
 
 # Split-KV pays only while (sequences x KV heads) leaves the GPU short of programs; the split
-# policy (`choose_num_splits`) then spreads about one wave of programs, so split count times
-# tokens stays near a few programs per SM: ROWS_PER_SM of them bound the scratch. MAX_SPLITS is
-# FA3's cap; the floor lets a forced `num_splits` work on small batches anywhere (and under
+# policy (`choose_num_splits`) then aims at a few programs per SM, so split count times tokens
+# stays small: ROWS_PER_SM per SM bound the scratch. MAX_SPLITS bounds forced counts (the
+# policy stops at 64); the floor lets a forced `num_splits` work on small batches anywhere (and under
 # the interpreter, which reports 1 SM).
 MAX_SPLITS = 128
 ROWS_PER_SM = 8

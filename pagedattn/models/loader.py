@@ -39,9 +39,10 @@ class MissingExtraError(ImportError):
     """An optional dependency is missing; the message names the `pip install` to run."""
 
 
-def require_hf_extra() -> None:
-    """Raise MissingExtraError naming `pip install 'pagedattn[hf]'` when a module of the extra is absent."""
-    missing = [m for m in HF_EXTRA_MODULES if not _importable(m)]
+def require_hf_extra(*, gguf: bool = True) -> None:
+    """Raise MissingExtraError naming `pip install 'pagedattn[hf]'` when a module of the extra is
+    absent (`gguf` only when the model is a GGUF file: a safetensors folder loads without it)."""
+    missing = [m for m in HF_EXTRA_MODULES if (gguf or m != "gguf") and not _importable(m)]
     if missing:
         raise MissingExtraError(
             f"loading a model needs the [hf] extra (missing: {', '.join(missing)}); "
@@ -176,7 +177,7 @@ def load_model(
     supported architectures, ValueError for pickle-only or mismatching weights,
     MissingExtraError without the `[hf]` extra.
     """
-    require_hf_extra()
+    require_hf_extra(gguf=model is None or str(model).endswith(".gguf"))
     from transformers import AutoConfig, AutoTokenizer
 
     device = _resolve_device(device)

@@ -93,10 +93,11 @@ def test_fresh_prompt_biases_match_oracle(shape, option):
         n = md.num_prefill_tokens
         out = apply_dense(batch.query, batch.key, batch.value, bias.materialize((n, n)))
     else:
-        biases = xformers_bias.alibi(XB, torch.tensor(slopes), md.query_lens, sliding_window=window,
-                                     dtype=torch.float32)
+        hkv, g = shape.num_kv_heads, shape.num_heads // shape.num_kv_heads
+        biases = xformers_bias.alibi(XB, torch.tensor(slopes), md.query_lens, num_kv_heads=hkv,
+                                     sliding_window=window, dtype=torch.float32)
         out = torch.cat([apply_dense(batch.query[a:b], batch.key[a:b], batch.value[a:b],
-                                     bias.materialize((1, shape.num_heads, b - a, b - a))[0])
+                                     bias.materialize((1, hkv, g, b - a, b - a)).flatten(0, 2))
                          for bias, (a, b) in zip(biases, rows)])
     # the ALiBi term is a float32 tensor (xFormers adds it in the query's dtype)
     tol = 1e-9 if slopes is None else 1e-6

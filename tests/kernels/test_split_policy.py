@@ -1,14 +1,13 @@
-"""The split-KV policy (`choose_num_splits`, host ints only): FA3's wave-efficiency rule."""
+"""The split-KV policy (`choose_num_splits`, host ints only): about PROGRAMS_PER_SM programs per
+SM, fitted on the H100's forced-split grid (docs/PERF.md)."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 
 from pagedattn.intmath import cdiv
-from pagedattn.kernels.paged_attention_config import (EFFICIENCY_SLACK, FILL_SHARE,
-                                                      choose_num_splits)
+from pagedattn.kernels.paged_attention_config import (DOUBLE_BAND, MIN_TILES_TO_SPLIT, POLICY_MAX_SPLITS,
+                                                      PROGRAMS_PER_SM, choose_num_splits)
 
 H100_SMS = 132
 
@@ -20,38 +19,39 @@ def splits(num_seqs, num_kv_heads, seq_len, *, query_len=1, block_q=4, block_n=6
                              max_splits=max_splits)
 
 
-def test_small_batches_split_to_about_one_wave():
-    assert splits(1, 8, 1024) == 16  # 16 tiles of 64 keys, one each: 128 programs
-    assert splits(1, 1, 16384) == 128  # FA3's cap
-    assert splits(4, 8, 16384) == 4  # 128 programs
-    assert splits(1, 1, 16384, max_splits=16) == 14  # within 85% of 16
+def test_the_measured_h100_grid():
+    """The best forced count of each cell of `bench kernels --grid decode --splits` (PERF.md)."""
+    assert splits(1, 8, 1024) == 16  # 16 tiles of 64 keys, one each
+    assert splits(1, 8, 4096) == splits(1, 8, 16384) == 32
+    assert splits(1, 1, 1024) == 16 and splits(1, 1, 16384) == 64
+    assert splits(16, 1, 4096) == 16 and splits(64, 1, 4096) == 4
+    assert splits(16, 8, 4096) == 2 and splits(64, 8, 4096) == 2  # 128 and 512 programs
+    assert splits(256, 1, 4096) == 1 and splits(256, 8, 4096) == 1
 
 
-def test_no_split_when_programs_fill_the_gpu_or_keys_are_few():
-    assert splits(16, 8, 16384) == 1  # 128 programs >= 0.8 * 132
-    assert splits(64, 8, 4096) == 1
+def test_no_split_when_keys_are_few_or_there_is_no_room():
     assert splits(1, 8, 256) == 1  # 4 tiles
     assert splits(1, 8, 16384, max_splits=1) == 1
+    assert splits(1, 1, 16384, max_splits=12) == 8  # a power of two within the room
     assert splits(2, 8, 8192, query_len=64, block_q=2) == 1  # prefill-like: 512 programs
 
 
-@pytest.mark.parametrize("num_seqs", [1, 2, 3, 5, 7, 13, 20, 33, 50, 100])
+@pytest.mark.parametrize("num_seqs", [1, 2, 3, 5, 7, 13, 20, 33, 50, 64, 100, 300])
 @pytest.mark.parametrize("num_kv_heads", [1, 2, 8])
 @pytest.mark.parametrize("seq_len", [300, 1024, 4096, 131072])
-def test_the_rule(num_seqs, num_kv_heads, seq_len):
-    s = splits(num_seqs, num_kv_heads, seq_len)
+@pytest.mark.parametrize("sms", [H100_SMS, 78, 1])
+def test_the_rule(num_seqs, num_kv_heads, seq_len, sms):
+    s = splits(num_seqs, num_kv_heads, seq_len, sms=sms)
     programs, tiles = num_seqs * num_kv_heads, cdiv(seq_len, 64)
-    assert 1 <= s <= min(128, tiles, H100_SMS)
-    if programs >= FILL_SHARE * H100_SMS:
+    assert s & (s - 1) == 0 and 1 <= s <= min(POLICY_MAX_SPLITS, max(tiles, 1))
+    if tiles < MIN_TILES_TO_SPLIT:
         assert s == 1
-        return
-    if s > 1:  # each extra split changes the tiles per split: none idles for nothing
-        assert cdiv(tiles, s) != cdiv(tiles, s - 1)
-        waves = programs * s / H100_SMS
-        eligible = [c for c in range(1, min(128, tiles, H100_SMS) + 1)
-                    if c == 1 or cdiv(tiles, c) != cdiv(tiles, c - 1)]
-        best = max((programs * c / H100_SMS) / math.ceil(programs * c / H100_SMS) for c in eligible)
-        assert waves / math.ceil(waves) >= EFFICIENCY_SLACK * best - 1e-9
+    elif programs < PROGRAMS_PER_SM * sms:
+        assert s * programs > min(PROGRAMS_PER_SM * sms, POLICY_MAX_SPLITS * programs, tiles * programs) / 4
+        assert s * programs <= PROGRAMS_PER_SM * sms  # never past the target
+    else:
+        low, high = DOUBLE_BAND
+        assert s == (2 if low * sms <= programs < high * sms and tiles >= 2 * MIN_TILES_TO_SPLIT else 1)
 
 
 def test_bench_rows_with_forced_splits_agree():
