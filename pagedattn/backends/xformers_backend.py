@@ -193,9 +193,12 @@ class XFormersImpl(triton_backend.TritonImpl):
         for b, n in zip(biases, q_lens):
             per_seq.append((b, slice(start, start + n), slice(start, start + n)))
             start += n
-        first = per_seq[0]
-        plan = self._first_taker(fmha, role, q[first[1]], k[first[2]], v[first[2]], first[0])
-        return plan if plan.op is None else _XPlan(plan.op, per_seq=tuple(per_seq))
+        for op in fmha.ops[role]:  # the first operator that takes every sequence's bias
+            if not any(self._refusal(fmha, op, q[r], k[c], v[c], b) for b, r, c in per_seq):
+                return _XPlan(op, per_seq=tuple(per_seq))
+        b, r, c = per_seq[0]
+        first = self._first_taker(fmha, role, q[r], k[c], v[c], b)  # why the first sequence is refused
+        return first if first.op is None else _XPlan(None, why_not="no operator takes every sequence's ALiBi bias")
 
     def _first_taker(self, fmha: xformers_fmha.Fmha, role: str, q, k, v, bias) -> _XPlan:
         """The plan of the first of `role`'s operators that takes these inputs, or why none does."""

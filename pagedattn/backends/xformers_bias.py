@@ -77,10 +77,11 @@ def alibi(xb: ModuleType, slopes: torch.Tensor, seq_lens: Sequence[int], *, num_
         bias = slopes[:, None, None] * rel  # [Hq, L, L]
         if sliding_window is not None:
             bias = bias.masked_fill(rel <= -sliding_window, float("-inf"))
-        padded = torch.empty(1, bias.shape[0], n, cdiv(n, _BIAS_ALIGN) * _BIAS_ALIGN, dtype=dtype, device=bias.device)
-        padded[..., :n] = bias
-        grouped = padded[..., :n].unflatten(1, (num_kv_heads, bias.shape[0] // num_kv_heads))
-        out.append(xb.LowerTriangularMaskWithTensorBias(grouped))
+        # built 5-D and sliced (a view of a 4-D tensor would reset a 1-row stride): rows stay aligned
+        padded = torch.empty(1, num_kv_heads, bias.shape[0] // num_kv_heads, n, cdiv(n, _BIAS_ALIGN) * _BIAS_ALIGN,
+                             dtype=dtype, device=bias.device)
+        padded[..., :n] = bias.unflatten(0, (num_kv_heads, -1))
+        out.append(xb.LowerTriangularMaskWithTensorBias(padded[..., :n]))
     return out
 
 

@@ -196,12 +196,15 @@ class _CrossPart:
 # ----------------------------------------------------------------------------- provider
 
 
-def test_cpu_runs_our_kernels_and_says_why():
+def test_cpu_runs_our_kernels_and_says_why(monkeypatch):
+    monkeypatch.delenv(xformers_fmha.ENV_VAR, raising=False)
+    xformers_fmha.choose.cache_clear()
     fmha = xformers_fmha.choose("cpu")
     assert fmha.module is None and fmha.why_not["xformers"] == "no cpu kernels"
     if not torch.cuda.is_available():
         assert XFormersBackend.provider().startswith("pagedattn.kernels")
         assert "no cpu kernels" in XFormersBackend.provider()
+    xformers_fmha.choose.cache_clear()
 
 
 @pytest.mark.parametrize("name,role", [("cutlass", "step"), ("flash", "step"), ("triton_splitk", "paged")])
