@@ -204,7 +204,7 @@ def _fa4(arch: tuple[int, int]) -> Provider | str:
         head_sizes = tuple(range(8, 129, 8)) + (256,)
         sizes = "8..128 multiples of 8, or 256"
     label = f"FA4 {_version('fa4', cute)} (flash_attn.cute, SM {major}.x)"
-    fp8 = "an FP8 KV cache (FA4 reads FP8 only with FP8 queries, and only on SM 10.x)"
+    fp8 = "FP8 KV cache (FA4 reads FP8 only with FP8 queries, and only on SM 10.x)"
     caps = Capabilities(head_sizes=head_sizes, dtypes=HALF, kv_cache_dtypes=("auto",), alibi=False,
                         why_not=(("alibi", NO_ALIBI.format("FA4")),))
     limits = (f"float16/bfloat16 queries; head sizes {sizes}; no {fp8}; no ALiBi; "
