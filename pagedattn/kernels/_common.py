@@ -17,7 +17,6 @@ from pagedattn.dtypes import FLOAT_DTYPES, FP8_DTYPES  # noqa: F401  (the launch
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-
 def next_pow2(x: int) -> int:
     """Smallest power of two >= x (x >= 1)."""
     return 1 << max(0, int(x) - 1).bit_length()
@@ -32,13 +31,16 @@ def check(cond: bool, what: str, expected: object, got: object) -> None:
 def check_tensor(t: torch.Tensor, name: str, *, ndim: int | None = None,
                  dtypes: tuple[torch.dtype, ...] | None = None,
                  device: torch.device | None = None) -> None:
-    check(isinstance(t, torch.Tensor), name, "a torch.Tensor", type(t).__name__)
-    if ndim is not None:
-        check(t.dim() == ndim, f"{name}.dim()", ndim, f"{t.dim()} (shape {tuple(t.shape)})")
-    if dtypes is not None:
-        check(t.dtype in dtypes, f"{name}.dtype", " or ".join(map(str, dtypes)), t.dtype)
-    if device is not None:
-        check(t.device == device, f"{name}.device", device, t.device)
+    """`check` for a tensor argument's type, rank, dtype and device. Every launch runs this on
+    each of its tensors, so the messages are formatted only on failure (host time per layer)."""
+    if not isinstance(t, torch.Tensor):
+        check(False, name, "a torch.Tensor", type(t).__name__)
+    if ndim is not None and t.dim() != ndim:
+        check(False, f"{name}.dim()", ndim, f"{t.dim()} (shape {tuple(t.shape)})")
+    if dtypes is not None and t.dtype not in dtypes:
+        check(False, f"{name}.dtype", " or ".join(map(str, dtypes)), t.dtype)
+    if device is not None and t.device != device:
+        check(False, f"{name}.device", device, t.device)
 
 
 def scale_tensor(scale: float | torch.Tensor, name: str, device: torch.device) -> torch.Tensor:
