@@ -71,7 +71,8 @@ def _load(name: str) -> type[AttentionBackend]:
     return getattr(importlib.import_module(entry.module), entry.cls)
 
 
-PROVIDER_ENV_VARS = {"flash_attn": "PAGEDATTN_FLASH_ATTN_PROVIDER", "xformers": "PAGEDATTN_XFORMERS_PROVIDER"}  # backends with a choice of provider
+# backends with a choice of provider
+PROVIDER_ENV_VARS = {"flash_attn": "PAGEDATTN_FLASH_ATTN_PROVIDER", "xformers": "PAGEDATTN_XFORMERS_PROVIDER"}
 
 
 def pinned_provider(backend_name: str) -> str | None:

@@ -37,6 +37,7 @@ import logging
 
 import torch
 
+from pagedattn.attention import registry
 from pagedattn.attention.backend import AttentionBackend
 from pagedattn.attention.builder import MetadataBuilder
 from pagedattn.attention.impl import AttendCall, AttentionImpl, Source
@@ -49,7 +50,18 @@ logger = logging.getLogger(__name__)
 
 
 def unavailable_reasons() -> list[str]:
-    return triton_backend.unavailable_reasons()  # our kernels run every part xFormers does not
+    reasons = triton_backend.unavailable_reasons()  # our kernels run every part xFormers does not
+    if registry.pinned_provider("xformers"):  # a pinned fmha must run (unpinned, none is loaded here)
+        try:
+            xformers_fmha.choose(_device_type())
+        except xformers_fmha.ProviderUnavailableError as e:
+            reasons.append(str(e))
+    return reasons
+
+
+def _device_type() -> str:
+    """The device type the provider is chosen for: cuda when present."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class XFormersBackend(AttentionBackend):
@@ -61,8 +73,7 @@ class XFormersBackend(AttentionBackend):
 
     @classmethod
     def provider(cls) -> str:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        return xformers_fmha.choose(device).describe()
+        return xformers_fmha.choose(_device_type()).describe()
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
@@ -219,7 +230,7 @@ class XFormersImpl(triton_backend.TritonImpl):
 
     def _refusal(self, fmha: xformers_fmha.Fmha, op, q, k, v, bias) -> str:
         inp = fmha.module.Inputs(self._bmghk(q, self.num_heads), self._bmghk(k, self.num_kv_heads),
-                     self._bmghk(v, self.num_kv_heads), attn_bias=bias, scale=self.scale)
+                                 self._bmghk(v, self.num_kv_heads), attn_bias=bias, scale=self.scale)
         return "; ".join(op.not_supported_reasons(inp))
 
     def _attend_xformers(self, fmha: xformers_fmha.Fmha, q, out, call: AttendCall, plan: _XPlan) -> None:

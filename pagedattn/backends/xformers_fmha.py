@@ -94,10 +94,9 @@ def choose(device_type: str) -> Fmha:
             why_not[name] = why
             continue
         ops, refused = _runnable_ops(module, device_type)
+        why_not.update({f"{name} {op_name}": w for op_name, w in refused.items()})
         if any(ops.values()):
-            why_not.update({f"{name} {k}": w for k, w in refused.items()})
             return Fmha(module, name, ops, why_not, pinned=pin is not None)
-        why_not.update({f"{name} {k}": w for k, w in refused.items()})
     if pin:
         raise ProviderUnavailableError(f"{ENV_VAR}={pin} pins an fmha that does not run here: "
                                        + "; ".join(f"{k}: {w}" for k, w in why_not.items()))

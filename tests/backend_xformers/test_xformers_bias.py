@@ -217,6 +217,21 @@ def test_smoke_test_reports_instead_of_raising(name, role):
     assert "does not run here" in why, why
 
 
+def test_a_pinned_provider_that_cannot_run_makes_the_backend_unavailable(monkeypatch):
+    from pagedattn.backends import xformers_backend
+
+    monkeypatch.setenv(xformers_fmha.ENV_VAR, "bogus")
+    xformers_fmha.choose.cache_clear()
+    try:
+        assert any("expected one of xformers, mslk, ours" in r for r in xformers_backend.unavailable_reasons())
+        if not torch.cuda.is_available():
+            monkeypatch.setenv(xformers_fmha.ENV_VAR, "mslk")
+            xformers_fmha.choose.cache_clear()
+            assert any("mslk" in r for r in xformers_backend.unavailable_reasons())
+    finally:
+        xformers_fmha.choose.cache_clear()
+
+
 def test_a_pinned_provider_that_cannot_run_is_an_error(monkeypatch):
     monkeypatch.setenv(xformers_fmha.ENV_VAR, "mslk")
     xformers_fmha.choose.cache_clear()
