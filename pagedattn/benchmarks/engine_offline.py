@@ -234,7 +234,7 @@ def decode_step(engine, *, batch: int, prompt_len: int, steps: int, seed: int, w
     tokens); a step counts as a pure decode step of the whole batch when, before it, every
     request has its first token, all are running and none has finished. Its floor: the weights plus the K/V of
     every context token (at the median step) read once at `bandwidth` bytes/s. `graph_replay_s`: the
-    model's device time alone (its CUDA graph replayed mid-run; None without graphs), so the
+    model's and output head's device time alone (its CUDA graph replayed mid-run; None without graphs), so the
     step's remainder is sampling and host work not hidden behind the device."""
     spec = engine.spec
     per_token = kv_bytes_per_token(spec, engine.runner.cache_dtype)
@@ -255,7 +255,7 @@ def decode_step(engine, *, batch: int, prompt_len: int, steps: int, seed: int, w
         if pure:
             times.append(elapsed)
             contexts.append(sum(prompt_len + g for g in generated.values()))
-            if len(times) == steps // 2:  # mid-run, requests still running: the model's device time alone
+            if len(times) == steps // 2:  # mid-run, requests still running: the graph's device time alone
                 replay = engine.runner.time_decode_graph(batch)
         for out in outs:
             generated[out.request_id] = len(out.outputs[0].token_ids)

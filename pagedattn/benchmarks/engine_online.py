@@ -10,8 +10,10 @@ token's text (the engine steps one token at a time), so per request:
 - ITL: between successive token events (pooled over every request);
 - TPOT: (last token - first token) / (tokens - 1);
 - latency: from sending to the last event.
-Client, HTTP server and engine share one Python process (and its GIL): the latencies include
-that contention, as they would include a real client's network.
+The client runs in a process of its own (spawned), as a real client would: parsing tens of
+event streams in the server's process would take its GIL from the engine loop. The HTTP server
+and the engine share this process, as under `pagedattn serve`. Triton compilations during the
+run are counted (`jit_log.CompileLog`): each one stalls the running requests.
 """
 
 from __future__ import annotations
@@ -19,12 +21,15 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import multiprocessing
+import queue
 import random
 import statistics
 import threading
 import time
 
 from pagedattn.benchmarks.engine_offline import Request
+from pagedattn.benchmarks.jit_log import CompileLog
 
 CLIENT_MODULES = ("httpx",)
 STARTUP_TIMEOUT_S = 60.0
@@ -63,13 +68,43 @@ def run_online(engine, model_name: str, requests: list[Request], *, rate: float,
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
         arrivals = _arrivals(len(requests), rate, seed)
-        start = time.perf_counter()
-        results = asyncio.run(_client(f"http://127.0.0.1:{port}/v1/completions", model_name, requests, arrivals))
-        duration = time.perf_counter() - start
+        with CompileLog() as compiles:
+            results, duration = _client_in_process(f"http://127.0.0.1:{port}/v1/completions", model_name,
+                                                   requests, arrivals)
     finally:
         server.should_exit = True
         thread.join(timeout=30)
-    return summarize(results, duration, rate)
+    return {**summarize(results, duration, rate), "jit_compiles": compiles.summary()}
+
+
+def _client_in_process(url: str, model: str, requests: list[Request], arrivals: list[float]):
+    """(per-request results, seconds from the first send to the last event), from a spawned client."""
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_client_main, args=(url, model, requests, arrivals, out), name="pagedattn-bench-client")
+    proc.start()
+    try:
+        limit = arrivals[-1] + STARTUP_TIMEOUT_S + 60.0 * len(requests)
+        deadline = time.monotonic() + limit
+        while True:
+            try:
+                return out.get(timeout=1.0)
+            except queue.Empty:
+                if not proc.is_alive():
+                    raise RuntimeError(f"the benchmark client exited ({proc.exitcode}) without results") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the benchmark client gave no results within {limit:.0f} s") from None
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+
+
+def _client_main(url: str, model: str, requests: list[Request], arrivals: list[float], out) -> None:
+    """The client process: send every request on time, put (results, duration) on `out`."""
+    start = time.perf_counter()
+    results = asyncio.run(_client(url, model, requests, arrivals))
+    out.put((results, time.perf_counter() - start))
 
 
 def _arrivals(n: int, rate: float, seed: int) -> list[float]:

@@ -27,7 +27,7 @@ OFFLINE_FIELDS = ["shape", "impl", "backend", "device", "dtype", "workload", "ba
                   "speedup", "note"]
 ONLINE_FIELDS = ["shape", "backend", "num_requests", "completed", "failed", "request_rate", "duration_s",
                  "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms",
-                 "itl_p50_ms", "itl_p99_ms", "latency_p50_ms", "latency_p99_ms", "note"]
+                 "itl_p50_ms", "itl_p99_ms", "latency_p50_ms", "latency_p99_ms", "jit_compiles", "note"]
 
 
 def environment(device: torch.device) -> dict:
@@ -123,11 +123,19 @@ def write(result: dict, out_dir: str | os.PathLike) -> list[Path]:
     paths = [folder / "engine_bench.json", folder / "engine_offline.csv", folder / "engine_online.csv"]
     paths[0].write_text(json.dumps(result, indent=2, default=str) + "\n")
     _csv(paths[1], OFFLINE_FIELDS, result["offline"])
-    online = [{"shape": shape, "backend": s["backend"], **s["online"]} for shape, s in result["shapes"].items()
-              if s.get("online")]
+    online = [{"shape": shape, "backend": s["backend"], **s["online"],
+               "jit_compiles": s["online"].get("jit_compiles", {}).get("count")}
+              for shape, s in result["shapes"].items() if s.get("online")]
     _csv(paths[2], ONLINE_FIELDS, online)
     png = plot(result, folder / "engine_throughput.png")
     return paths + ([png] if png else [])
+
+
+def _compiles_line(c: dict | None) -> str:
+    if not c or not c["available"]:
+        return ""
+    return f"; {c['count']} Triton compiles during the run ({c['seconds']:.1f} s" + (
+        f": {', '.join(f'{k} x{n}' for k, n in c['kernels'].items())})" if c["kernels"] else ")")
 
 
 def _csv(path: Path, fields: list[str], rows: list[dict]) -> None:
@@ -200,7 +208,8 @@ def print_summary(result: dict) -> None:
         if d:
             p(f"{shape} decode step at batch {d['batch']}: {d['median_step_s'] * 1e3:.2f} ms (p10 "
               f"{d['p10_step_s'] * 1e3:.2f}, p90 {d['p90_step_s'] * 1e3:.2f}), floor {d['floor_s'] * 1e3:.2f} ms"
-              + (f"; model alone (graph replay) {d['graph_replay_s'] * 1e3:.2f} ms" if d.get("graph_replay_s") else "")
+              + (f"; model and output head alone (graph replay) {d['graph_replay_s'] * 1e3:.2f} ms"
+                 if d.get("graph_replay_s") else "")
               + (f"; without async scheduling {sync['median_step_s'] * 1e3:.2f} ms" if sync else ""))
         o = s.get("online")
         if o:
@@ -208,6 +217,7 @@ def print_summary(result: dict) -> None:
             p(f"{shape} online: {o['completed']}/{o['num_requests']} requests at {o['request_rate']:g}/s, "
               f"{o['output_tokens_per_s']:.1f} tokens/s; ms p50/p99: TTFT {f(o['ttft_p50_ms'])}/{f(o['ttft_p99_ms'])}, "
               f"TPOT {f(o['tpot_p50_ms'])}/{f(o['tpot_p99_ms'])}, ITL {f(o['itl_p50_ms'])}/{f(o['itl_p99_ms'])}"
+              + _compiles_line(o.get("jit_compiles"))
               + (f"; first error: {o['first_error']}" if o.get("first_error") else ""))
     p("targets:")
     for t in result["targets"]:

@@ -3,8 +3,7 @@
 The KV pool is allocated once: sized from free memory after a profiling run on CUDA
 (`gpu_memory_utilization`), from a fixed budget on the CPU, or fixed by `num_kv_blocks`.
 On the CPU the model's float32 linears are swapped, in place, for oneDNN-prepacked ones.
-Decode-only steps on CUDA replay graphs captured for batch sizes 1, 2, 4, 8, 16, 32, ...
-(steps of 16) up to `max_num_seqs`, through the backend's `AttentionState`.
+Decode-only steps on CUDA replay graphs of the model and its output head (`DecodeGraphs`).
 `launch` queues a step and returns a `LaunchedStep`, whose `results()` are what it sampled
 (`StepResult`): tokens and log-probabilities, and the full log-probabilities of beam-search
 rows, which the beam step scores itself. A step launched `after` another reads its input
@@ -21,23 +20,24 @@ eagerly: the graph states' metadata carry no cross tables.
 
 from __future__ import annotations
 
-import gc
 import itertools
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import torch
 
 from pagedattn.attention.backend import AttentionBackend
 from pagedattn.attention.metadata import AttentionMetadata
-from pagedattn.attention.state import AttentionState
 from pagedattn.attention.types import ScheduledSeq
 from pagedattn.dtypes import kv_cache_dtype
 from pagedattn.engine.config import EngineConfig
+from pagedattn.engine.decode_graphs import DecodeGraphs
 from pagedattn.engine.sampler import Sampler, SamplingBatch
 from pagedattn.engine.sampling_params import SamplingParams
 from pagedattn.engine.scheduler import ScheduledChunk, SchedulerOutput
+from pagedattn.engine.warmup import warmup_steps
 from pagedattn.intmath import cdiv
 from pagedattn.layer import attention_impls, forward_context
 from pagedattn.models.layers import pack_linears_for_cpu
@@ -107,13 +107,6 @@ class LaunchedStep:
         return self._results
 
 
-@dataclass
-class _Graph:
-    graph: torch.cuda.CUDAGraph
-    state: AttentionState
-    buffers: dict[str, torch.Tensor]
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded, backend: type[AttentionBackend], device: torch.device):
         self.model = loaded.model
@@ -160,9 +153,14 @@ class ModelRunner:
             self.num_blocks, self.block_size, device, self.cache_dtype, self.num_cpu_blocks,
             " (decoder and cross pools each)" if self.spec.num_cross_layers else "",
         )
-        self.graphs: dict[int, _Graph] = {}
+        if device.type == "cuda" and not self.spec.num_cross_layers:
+            self._warm_up()
+        self.graphs = None
         if device.type == "cuda" and not config.enforce_eager and not self.spec.num_cross_layers:
-            self._capture_graphs()
+            self.graphs = DecodeGraphs(
+                self.model, backend, self.attention_impls, self.kv_caches, max_num_seqs=self.max_num_seqs,
+                max_blocks_per_seq=self.max_blocks_per_seq, block_size=self.block_size, device=device,
+            )
 
     # ------------------------------------------------------------------ sizing
 
@@ -252,6 +250,20 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         return total * utilization - (total - free) - transient
 
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """Run `warmup_steps` (dummy steps of every shape class) so kernels compile now, not mid-run."""
+        steps = warmup_steps(block_size=self.block_size, num_blocks=self.num_blocks,
+                             max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+                             max_model_len=self.spec.max_model_len)
+        start = time.perf_counter()
+        for seqs in steps:
+            positions = [p for s in seqs for p in range(s.context_len, s.seq_len)]
+            pos = self._device_ints(positions)
+            self._run(self.builder.build(seqs), torch.zeros_like(pos), pos)
+        torch.cuda.synchronize(self.device)
+        logger.info("warmed up on %d dummy steps in %.1f s", len(steps), time.perf_counter() - start)
+
     # ------------------------------------------------------------------ one step
 
     @torch.inference_mode()
@@ -269,10 +281,14 @@ class ModelRunner:
             return LaunchedStep(results=self._execute_multistep(out))
         ids, pos, sample_idx, seqs = self._prepare(out.chunks, after)
         encoder = self._prepare_encoder(out.chunks)
-        pad_to = self._graph_size(len(seqs)) if out.is_decode_only else None
+        every_row_sampled = all(c.sample for c in out.chunks)
+        pad_to = self._graph_size(len(seqs)) if out.is_decode_only and every_row_sampled else None
         md = self.builder.build(seqs, cuda_graph_pad_to=pad_to)
-        hidden = self._run(md, ids, pos, pad_to, encoder)
-        logits = self.model.compute_logits(hidden.index_select(0, sample_idx))  # [sampled chunks, V]
+        if pad_to is None:
+            hidden = self._run(md, ids, pos, encoder)
+            logits = self.model.compute_logits(hidden.index_select(0, sample_idx))  # [sampled chunks, V]
+        else:
+            logits = self.graphs.logits(md, ids, pos)[: len(seqs)]
         return self._sample(out.chunks, logits)
 
     def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> LaunchedStep:
@@ -284,7 +300,9 @@ class ModelRunner:
         if flat:
             index = [j for j, i in enumerate(sampled) for _ in rows[i]]  # logits row of each draw
             batch = SamplingBatch.build(flat, self.spec.vocab_size, self.device)
-            tokens, logprobs = self.sampler.sample(logits.index_select(0, self._device_ints(index)), batch)
+            if index != list(range(logits.shape[0])):  # beams draw several rows from one
+                logits = logits.index_select(0, self._device_ints(index))
+            tokens, logprobs = self.sampler.sample(logits, batch)
         beams = [(j, i) for j, i in enumerate(sampled) if chunks[i].group.is_beam]
         beam_logprobs = {}
         if beams:
@@ -320,8 +338,11 @@ class ModelRunner:
         for step in range(out.num_steps):
             if step:
                 md.advance_step(ids, pos, tokens[-1].unsqueeze(1), self.block_size, md.num_seqs, n)
-            hidden = self._run(md, ids, pos, pad_to)[:n]
-            t, lp = self.sampler.sample(self.model.compute_logits(hidden), batch)
+            if pad_to is None:
+                logits = self.model.compute_logits(self._run(md, ids, pos)[:n])
+            else:
+                logits = self.graphs.logits(md, ids, pos)[:n]
+            t, lp = self.sampler.sample(logits, batch)
             tokens.append(t)
             logprobs.append(lp)
         all_tokens, all_logprobs = torch.stack(tokens).tolist(), torch.stack(logprobs).tolist()  # [steps, B]
@@ -396,94 +417,17 @@ class ModelRunner:
             return self.model(ids, pos, *(encoder or (None, None)))
         return self.model(ids, pos)
 
-    def _run(
-        self,
-        md: AttentionMetadata,
-        ids: torch.Tensor,
-        pos: torch.Tensor,
-        pad_to: int | None,
-        encoder: tuple | None = None,
-    ) -> torch.Tensor:
-        """hidden [T, H] (graph padding rows included when replayed); `encoder`: the step's
-        encoder input and positions (`_prepare_encoder`)."""
-        if pad_to is None:
-            with forward_context(md, self.kv_caches):
-                return self._forward(ids, pos, encoder)
-        g = self.graphs[pad_to]
-        g.state.prepare_graph_input_buffers(g.buffers, md)
-        g.state.begin_forward(md)
-        n = ids.shape[0]
-        self._graph_ids[:n].copy_(ids)
-        self._graph_pos[:n].copy_(pos)
-        self._graph_ids[n:pad_to].zero_()
-        self._graph_pos[n:pad_to].zero_()
-        g.graph.replay()
-        return self._graph_out[:pad_to]
+    def _run(self, md: AttentionMetadata, ids: torch.Tensor, pos: torch.Tensor, encoder: tuple | None = None):
+        """hidden [T, H], eagerly; `encoder`: the step's encoder input and positions (`_prepare_encoder`)."""
+        with forward_context(md, self.kv_caches):
+            return self._forward(ids, pos, encoder)
 
     # ------------------------------------------------------------------ CUDA graphs
 
     def _graph_size(self, batch_size: int) -> int | None:
-        """The smallest captured batch size that holds `batch_size` sequences, or None (eager)."""
-        return min((s for s in self.graphs if s >= batch_size), default=None)
+        """The captured batch size that serves `batch_size` decodes, or None (eager)."""
+        return self.graphs.size_for(batch_size) if self.graphs is not None else None
 
     def time_decode_graph(self, batch_size: int, reps: int = 20) -> float | None:
-        """Device seconds of one replay of the graph that serves `batch_size` decodes (the model
-        without sampling or host work), the median of `reps` timed back to back after its inputs
-        as the last step left them; None without graphs. It rewrites the K/V slots that step
-        wrote, with the same values: call it between steps of running requests (benchmarks)."""
-        if reps < 1:
-            raise ValueError(f"expected reps >= 1, got {reps}")
-        size = self._graph_size(batch_size)
-        if size is None:
-            return None
-        graph = self.graphs[size].graph
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            times.append((start, end))
-        torch.cuda.synchronize(self.device)
-        return sorted(s.elapsed_time(e) for s, e in times)[reps // 2] / 1e3
-
-    def _capture_graphs(self) -> None:
-        max_bs = self.max_num_seqs
-        sizes = sorted({s for s in [1, 2, 4, 8, *range(16, max_bs + 1, 16)] if s <= max_bs} | {max_bs})
-        self._graph_ids = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
-        self._graph_pos = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
-        self._graph_out = torch.zeros(max_bs, self.spec.hidden_size, dtype=self.spec.dtype, device=self.device)
-        state = self.backend.get_state_cls()(max_bs, self.max_blocks_per_seq, self.block_size, self.device)
-        state.set_layers(self.attention_impls)
-        # No garbage collection inside a capture: a cycle collected there (an old engine: its
-        # graphs, pinned buffers, events) frees CUDA resources, which invalidates the capture
-        # (seen as CUBLAS_STATUS_INTERNAL_ERROR); PyTorch's `torch.cuda.graph` no longer collects.
-        gc.collect()
-        torch.cuda.empty_cache()
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            self._capture_sizes(sizes, state)
-        finally:
-            if collecting:
-                gc.enable()
-        torch.cuda.synchronize(self.device)
-        logger.info("captured CUDA graphs for decode batch sizes %s", sizes)
-
-    def _capture_sizes(self, sizes: list[int], state: AttentionState) -> None:
-        """Warm up and capture one graph per batch size, largest first, sharing one memory pool."""
-        pool = None
-        with torch.inference_mode(), state.graph_capture(self.max_num_seqs):
-            for bs in reversed(sizes):  # largest first, so smaller graphs reuse its memory pool
-                md = state.graph_capture_get_metadata_for_batch(bs)
-                graph_state = state.graph_clone(bs)
-                graph_state.begin_forward(md)
-                ids, pos = self._graph_ids[:bs], self._graph_pos[:bs]
-                with forward_context(md, self.kv_caches):
-                    self._graph_out[:bs] = self.model(ids, pos)  # warm-up outside the graph
-                    torch.cuda.synchronize(self.device)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        self._graph_out[:bs] = self.model(ids, pos)
-                pool = graph.pool() if pool is None else pool
-                self.graphs[bs] = _Graph(graph, graph_state, graph_state.get_graph_input_buffers(md))
+        """Device seconds of one decode graph replay (`DecodeGraphs.time_replay`); None without graphs."""
+        return self.graphs.time_replay(batch_size, reps) if self.graphs is not None else None

@@ -15,11 +15,13 @@ class SamplingBatch:
 
     temperatures: float32 [R] (0 for greedy rows); top_k: int64 [R] (vocab size when off);
     top_p: float32 [R]; generators: one per row, None to use the engine's default generator.
+    An all-greedy batch has no device tensors (None): argmax needs none, and a step spares
+    their copies.
     """
 
-    temperatures: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
+    temperatures: torch.Tensor | None
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
     generators: list[torch.Generator | None]
     all_greedy: bool
     any_top_k: bool
@@ -35,12 +37,22 @@ class SamplingBatch:
         temps = [0.0 if p.is_greedy else float(p.temperature) for p, _ in rows]
         top_k = [vocab_size if p.top_k < 1 or p.is_greedy else min(p.top_k, vocab_size) for p, _ in rows]
         top_p = [1.0 if p.is_greedy else float(p.top_p) for p, _ in rows]
+        all_greedy = all(t == 0.0 for t in temps)
+        tensors = [None, None, None]
+        if not all_greedy:
+            # One copy of the three rows: from pinned memory on CUDA, so the host does not wait for
+            # the steps queued before this one (a pageable copy may).
+            flat = torch.tensor([temps, [float(k) for k in top_k], top_p], dtype=torch.float64)
+            if device.type == "cuda":
+                flat = flat.pin_memory()
+            flat = flat.to(device, non_blocking=True)
+            tensors = [flat[0].float(), flat[1].long(), flat[2].float()]
         return cls(
-            temperatures=torch.tensor(temps, dtype=torch.float32).to(device, non_blocking=True),
-            top_k=torch.tensor(top_k, dtype=torch.int64).to(device, non_blocking=True),
-            top_p=torch.tensor(top_p, dtype=torch.float32).to(device, non_blocking=True),
+            temperatures=tensors[0],
+            top_k=tensors[1],
+            top_p=tensors[2],
             generators=[g for _, g in rows],
-            all_greedy=all(t == 0.0 for t in temps),
+            all_greedy=all_greedy,
             any_top_k=any(k < vocab_size for k in top_k),
             any_top_p=any(p < 1.0 for p in top_p),
         )

@@ -1,0 +1,122 @@
+"""CUDA graphs of decode-only steps: the model and its output head, one graph per batch size.
+
+Sizes 1, 2, 4, 8, 16, 32, ... (steps of 16) up to `max_num_seqs` are captured, largest first,
+sharing one memory pool, through the backend's `AttentionState`. A graph runs the model on its
+input-id and position buffers and then `compute_logits`, so a replayed step hands the sampler
+float32 logits [batch, vocab] with no launch of its own in between (the output head reads as
+many bytes as a tenth of an 8B model's layers: outside the graph its launch gaps showed).
+A graph's logits live in the shared pool until the next replay; the sampler's kernels, queued
+behind the replay on the same stream, read them first.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pagedattn.attention.backend import AttentionBackend
+from pagedattn.attention.metadata import AttentionMetadata
+from pagedattn.attention.state import AttentionState
+from pagedattn.layer import forward_context
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    state: AttentionState
+    buffers: dict[str, torch.Tensor]
+    logits: torch.Tensor  # float32 [batch size, vocab], rewritten by each replay
+
+
+class DecodeGraphs:
+    """`logits(md, ids, pos)` replays the graph of the step's padded batch size (`size_for`)."""
+
+    def __init__(self, model, backend: type[AttentionBackend], attention_impls, kv_caches: list[torch.Tensor], *,
+                 max_num_seqs: int, max_blocks_per_seq: int, block_size: int, device: torch.device):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.device = device
+        self.max_num_seqs = max_num_seqs
+        self.sizes = sorted({s for s in [1, 2, 4, 8, *range(16, max_num_seqs + 1, 16)] if s <= max_num_seqs}
+                            | {max_num_seqs})
+        self._ids = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+        self._pos = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+        self._graphs: dict[int, _Graph] = {}
+        state = backend.get_state_cls()(max_num_seqs, max_blocks_per_seq, block_size, device)
+        state.set_layers(attention_impls)
+        # No garbage collection inside a capture: a cycle collected there (an old engine: its
+        # graphs, pinned buffers, events) frees CUDA resources, which invalidates the capture
+        # (seen as CUBLAS_STATUS_INTERNAL_ERROR); PyTorch's `torch.cuda.graph` no longer collects.
+        gc.collect()
+        torch.cuda.empty_cache()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture(state)
+        finally:
+            if collecting:
+                gc.enable()
+        torch.cuda.synchronize(device)
+        logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+
+    def _capture(self, state: AttentionState) -> None:
+        pool = None
+        with torch.inference_mode(), state.graph_capture(self.max_num_seqs):
+            for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
+                md = state.graph_capture_get_metadata_for_batch(bs)
+                graph_state = state.graph_clone(bs)
+                graph_state.begin_forward(md)
+                ids, pos = self._ids[:bs], self._pos[:bs]
+                with forward_context(md, self.kv_caches):
+                    self.model.compute_logits(self.model(ids, pos))  # warm-up outside the graph
+                    torch.cuda.synchronize(self.device)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        logits = self.model.compute_logits(self.model(ids, pos))
+                pool = graph.pool() if pool is None else pool
+                self._graphs[bs] = _Graph(graph, graph_state, graph_state.get_graph_input_buffers(md), logits)
+
+    def size_for(self, batch_size: int) -> int | None:
+        """The smallest captured batch size that holds `batch_size` sequences, or None (eager)."""
+        return min((s for s in self.sizes if s >= batch_size), default=None)
+
+    def logits(self, md: AttentionMetadata, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """float32 [pad_to, vocab] for a decode-only step padded to a captured size (`md.num_seqs`);
+        rows past `ids.shape[0]` are the padding's."""
+        pad_to = md.num_seqs
+        g = self._graphs[pad_to]
+        g.state.prepare_graph_input_buffers(g.buffers, md)
+        g.state.begin_forward(md)
+        n = ids.shape[0]
+        self._ids[:n].copy_(ids)
+        self._pos[:n].copy_(pos)
+        self._ids[n:pad_to].zero_()
+        self._pos[n:pad_to].zero_()
+        g.graph.replay()
+        return g.logits
+
+    def time_replay(self, batch_size: int, reps: int = 20) -> float | None:
+        """Device seconds of one replay of the graph that serves `batch_size` decodes (the model and
+        its output head, without sampling or host work): the median of `reps` timed back to back,
+        its inputs as the last step left them; None when no graph holds the batch. It rewrites the
+        K/V slots that step wrote, with the same values: call it between steps of running requests."""
+        if reps < 1:
+            raise ValueError(f"expected reps >= 1, got {reps}")
+        size = self.size_for(batch_size)
+        if size is None:
+            return None
+        graph = self._graphs[size].graph
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            times.append((start, end))
+        torch.cuda.synchronize(self.device)
+        return sorted(s.elapsed_time(e) for s, e in times)[reps // 2] / 1e3
