@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Iterable, Sequence
 
@@ -11,6 +12,8 @@ from pagedattn.attention.impl import layers_of
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.types import PAD_SLOT_ID, ScheduledSeq, window_start_block
 from pagedattn.intmath import cdiv, cumsum
+
+_VIEW_ALIGN_BYTES = 16  # what Triton checks a pointer argument for
 
 
 def _check_block_ids(i: int, what: str, ids: Sequence) -> None:
@@ -198,11 +201,20 @@ class MetadataBuilder:
         )
 
     def _to_device(self, parts: list[list[int]], dtype: torch.dtype) -> list[torch.Tensor]:
-        """One host tensor, one (pinned, non-blocking) copy, then views per part."""
-        flat = torch.tensor([x for p in parts for x in p], dtype=dtype)
+        """One host tensor, one (pinned, non-blocking) copy, then views per part. Every view starts
+        16 bytes aligned: Triton specialises a kernel on its pointers' alignment, so views at
+        offsets that follow the batch's sizes would compile new variants as batches change."""
+        align = max(1, _VIEW_ALIGN_BYTES // dtype.itemsize)
+        padded = [len(p) + (-len(p)) % align for p in parts]
+        values: list[int] = []
+        for p, n in zip(parts, padded):
+            values += p
+            values += [0] * (n - len(p))
+        flat = torch.tensor(values, dtype=dtype)
         if self.device.type == "cuda":
             flat = flat.pin_memory().to(self.device, non_blocking=True)
         elif self.device != flat.device:
             flat = flat.to(self.device)
-        return list(torch.split(flat, [len(p) for p in parts]))
+        offsets = [0, *itertools.accumulate(padded)]
+        return [flat.narrow(0, start, len(p)) for start, p in zip(offsets, parts)]
 

@@ -14,10 +14,13 @@ from collections import Counter
 
 
 class CompileLog:
-    """`with CompileLog() as log: ...`; then `log.events`: [(kernel name, start s, seconds)]."""
+    """`with CompileLog() as log: ...`; then `log.events`: [(kernel name, start s, seconds)] and
+    `log.variants`: each compile's signature as Triton prints it (argument types and the value
+    classes it specialised on, constexprs), to tell which variant a run met late."""
 
     def __init__(self) -> None:
         self.events: list[tuple[str, float, float]] = []
+        self.variants: list[str] = []
         self.available = False
         self._runtime = None
         self._saved = (None, None)
@@ -43,8 +46,9 @@ class CompileLog:
             self._runtime.jit_cache_hook, self._runtime.jit_post_compile_hook = self._saved
             self._runtime = None
 
-    def _before(self, *, key, fn, **_) -> bool:
+    def _before(self, *, key, fn, repr="", **_) -> bool:  # noqa: A002 - Triton's keyword
         self._open[id(key)] = (fn.name, time.perf_counter())
+        self.variants.append(repr)
         return False  # go on and compile
 
     def _after(self, *, key, fn, **_) -> bool:
@@ -53,7 +57,10 @@ class CompileLog:
         return False
 
     def summary(self) -> dict:
-        """{"available", "count", "seconds" (their total), "kernels": {name: count}} for a report."""
+        """{"available", "count", "seconds" (their total), "kernels": {name: count}, "events": [{name,
+        at_s, seconds, variant}]} for a report."""
         return {"available": self.available, "count": len(self.events),
                 "seconds": round(sum(s for _, _, s in self.events), 3),
-                "kernels": dict(Counter(name for name, _, _ in self.events))}
+                "kernels": dict(Counter(name for name, _, _ in self.events)),
+                "events": [{"name": n, "at_s": round(at, 3), "seconds": round(sec, 3), "variant": v}
+                           for (n, at, sec), v in zip(self.events, self.variants)]}

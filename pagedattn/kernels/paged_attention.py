@@ -11,6 +11,8 @@ Algorithm (FlashAttention-2 with GQA packing and FlashDecoding splits):
   `query_start_loc[b] // BLOCK_Q + b ...`; this start is strictly increasing in b, covers
   ceil(query_len_b / BLOCK_Q) tiles and bounds the grid by T // BLOCK_Q + B, so a program
   finds its sequence with a fixed-length binary search and surplus tiles return at once.
+  When `max_query_len` <= BLOCK_Q (decode, short multi-token decode) every sequence has one
+  tile: the grid has B tiles and tile b is sequence b, no search (8 dependent loads a program).
 - GQA packing: the program's tile holds BLOCK_Q query tokens times the GROUP = Hq / Hkv query
   heads that share its KV head (row r = token r // GROUP, head r % GROUP), so every key/value
   tile is loaded once and goes through one `tl.dot` for all of them.
@@ -35,7 +37,7 @@ import triton.language as tl
 
 from ._common import (FLOAT_DTYPES, FP8_DTYPES, INTERPRET, check, check_tensor, next_pow2,
                       num_sms, scale_tensor)
-from .paged_attention_config import choose_num_splits, choose_tile, forced_tile
+from .paged_attention_config import choose_num_splits, choose_tile, forced_tile, split_min_tiles
 from .split_kv import SplitKVWorkspace, reduce_splits
 
 
@@ -137,13 +139,16 @@ def _attend_tiles(
 
 # Integer arguments that change from step to step are not specialised on (Triton compiles a
 # variant per value class: == 1, divisible by 16, other): a server's steps would otherwise meet
-# new classes mid-run and stall for a compilation each (seconds on an H100).
-@triton.jit(do_not_specialize=["window", "num_seqs", "num_tiles", "num_splits"])
+# new classes mid-run and stall for a compilation each (seconds on an H100). Besides the counts:
+# the block table's row stride (its width) and the split scratch's outer strides (an unsplit
+# launch passes `num_seqs` there). The builder aligns its views, so pointers keep one class too.
+@triton.jit(do_not_specialize=["window", "num_seqs", "num_tiles", "num_splits", "split_min_tiles", "stride_bt",
+                               "stride_po_s", "stride_ps_s"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_out_ptr, part_stats_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, kv_start_loc_ptr,
     alibi_slopes_ptr, k_scale_ptr, v_scale_ptr,
-    sm_scale, soft_cap, window, num_seqs, num_tiles, num_splits,
+    sm_scale, soft_cap, window, num_seqs, num_tiles, num_splits, split_min_tiles,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -155,7 +160,7 @@ def _paged_attention_kernel(
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, GROUP: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, ONE_TILE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, FP8_KV: tl.constexpr, PAGED: tl.constexpr,
     WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
@@ -166,18 +171,24 @@ def _paged_attention_kernel(
     pid = num_tiles - 1 - tl.program_id(0) // NUM_KV_HEADS
     split = tl.program_id(1)
 
-    # Largest b with query_start_loc[b] // BLOCK_Q + b <= pid (strictly increasing in b).
-    lo = pid * 0
-    hi = lo + num_seqs
-    for _ in tl.static_range(SEARCH_STEPS):
-        mid = (lo + hi) // 2
-        go_right = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= pid
-        lo = tl.where(go_right, mid, lo)
-        hi = tl.where(go_right, hi, mid)
-    b = lo
-    q_begin = tl.load(query_start_loc_ptr + b)
-    q_len = tl.load(query_start_loc_ptr + b + 1) - q_begin
-    q0 = (pid - (q_begin // BLOCK_Q + b)) * BLOCK_Q
+    if ONE_TILE:  # every sequence's queries fit one tile: tile pid is sequence pid
+        b = pid
+        q_begin = tl.load(query_start_loc_ptr + b)
+        q_len = tl.load(query_start_loc_ptr + b + 1) - q_begin
+        q0 = pid * 0
+    else:
+        # Largest b with query_start_loc[b] // BLOCK_Q + b <= pid (strictly increasing in b).
+        lo = pid * 0
+        hi = lo + num_seqs
+        for _ in tl.static_range(SEARCH_STEPS):
+            mid = (lo + hi) // 2
+            go_right = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= pid
+            lo = tl.where(go_right, mid, lo)
+            hi = tl.where(go_right, hi, mid)
+        b = lo
+        q_begin = tl.load(query_start_loc_ptr + b)
+        q_len = tl.load(query_start_loc_ptr + b + 1) - q_begin
+        q0 = (pid - (q_begin // BLOCK_Q + b)) * BLOCK_Q
     if q0 >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + b)
@@ -223,6 +234,8 @@ def _paged_attention_kernel(
     j_full_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N), j_lo), j_hi)
     j_full_hi = tl.minimum(tl.maximum(full_hi // BLOCK_N, j_full_lo), j_hi)
     per_split = tl.cdiv(j_hi - j_lo, num_splits)
+    if tl.cdiv(seq_len, BLOCK_N) < split_min_tiles:  # too short to split: split 0 takes every tile
+        per_split = j_hi - j_lo
     s_lo = tl.minimum(j_lo + split * per_split, j_hi)
     s_hi = tl.minimum(s_lo + per_split, j_hi)
 
@@ -318,7 +331,9 @@ def paged_attention(
     out: [T, Hq, D] in the query dtype, caller-owned.
     query_start_loc: [B+1] int32. seq_lens: [B] int32, keys per sequence (context + query).
     block_tables: [B, W] int32 physical block ids (None with `kv_start_loc`).
-    max_query_len, max_seq_len: host ints bounding the batch (tile and split choice only).
+    max_query_len, max_seq_len: host ints bounding the batch (tile, grid and split choice);
+        max_query_len must be >= every sequence's query length (a decode-like launch gives
+        each sequence one query tile), max_seq_len only steers speed.
     scale: score scale. causal: bottom-right aligned causal mask (False: all keys < seq_len).
     sliding_window: W keys up to and including the query's own position (causal only).
     alibi_slopes: [Hq] float32. soft_cap: c in c * tanh(s / c).
@@ -398,11 +413,15 @@ def paged_attention(
                          elem_bytes=query.element_size(), interpret=INTERPRET)
     tile = chosen if tile is None else forced_tile(chosen, *tile, interpret=INTERPRET)
     limit = 1 if workspace is None else workspace.splits_for(num_tokens, num_heads, head_size)
+    min_tiles = 0  # a forced count splits every sequence
     if num_splits is None:
+        sms = num_sms(device)
         num_splits = 1 if limit < 2 else choose_num_splits(
             num_seqs=num_seqs, num_kv_heads=num_kv_heads, max_query_len=max_query_len,
             max_seq_len=max_seq_len, block_q=tile.block_q, block_n=tile.block_n,
-            num_sms=num_sms(device), max_splits=limit)
+            num_sms=sms, max_splits=limit)
+        min_tiles = split_min_tiles(num_seqs=num_seqs, num_kv_heads=num_kv_heads, max_query_len=max_query_len,
+                                    block_q=tile.block_q, num_sms=sms)
     elif num_splits > 1:
         check(num_splits <= limit, "workspace for num_splits",
               f"a SplitKVWorkspace with room for {num_splits} splits of {num_tokens} tokens, "
@@ -419,20 +438,23 @@ def paged_attention(
         part_out, part_stats = out.unsqueeze(0), seq_lens.view(1, -1, 1, 1)  # never written
     lse_arg = lse if lse is not None else seq_lens.view(-1, 1)  # never written without lse
 
-    num_tiles = num_tokens // tile.block_q + num_seqs  # >= what every sequence needs
+    # Decode-like launches (every sequence's queries within one tile, as `max_query_len` bounds
+    # them) map tile b to sequence b; otherwise tiles are numbered as the kernel's search expects.
+    one_tile = max_query_len <= tile.block_q
+    num_tiles = num_seqs if one_tile else num_tokens // tile.block_q + num_seqs  # >= what every sequence needs
     grid = (num_tiles * num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, lse_arg, part_out, part_stats,
         query_start_loc, seq_lens, bt_arg, kv_start_arg,
         alibi_slopes if alibi_slopes is not None else seq_lens, k_scale_t, v_scale_t,
         float(scale), float(soft_cap or 0.0), int(sliding_window or 0), num_seqs, num_tiles,
-        num_splits,
+        num_splits, min_tiles,
         *query.stride(), *kv_strides, *out.stride(), lse_arg.stride(0), lse_arg.stride(1),
         *part_out.stride(), *part_stats.stride(), bt_stride,
         HEAD_SIZE=head_size, HEAD_PAD=max(16, next_pow2(head_size)), GROUP=group,
         NUM_KV_HEADS=num_kv_heads,
         BLOCK_Q=tile.block_q, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-        BLOCK_SIZE=block_size, SPLIT=num_splits > 1, SEARCH_STEPS=search_steps(num_seqs),
+        BLOCK_SIZE=block_size, SPLIT=num_splits > 1, ONE_TILE=one_tile, SEARCH_STEPS=search_steps(num_seqs),
         CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None,
         USE_ALIBI=alibi_slopes is not None, USE_SOFTCAP=soft_cap is not None, FP8_KV=fp8,
         PAGED=paged, WRITE_LSE=lse is not None, UPCAST=INTERPRET,

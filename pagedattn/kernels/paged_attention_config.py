@@ -99,16 +99,17 @@ def choose_num_splits(*, num_seqs: int, num_kv_heads: int, max_query_len: int,
                       max_splits: int) -> int:
     """FlashDecoding split count for a launch of `num_seqs x query tiles x num_kv_heads` programs.
 
-    No split when the longest sequence has fewer than MIN_TILES_TO_SPLIT key tiles. With fewer
+    No split when the longest sequence has fewer key tiles than `split_min_tiles`. With fewer
     programs than target = PROGRAMS_PER_SM x SMs: the largest power of two <= target // programs,
     at most POLICY_MAX_SPLITS, the key tiles and `max_splits` (the workspace's room). Between
     DOUBLE_BAND programs per SM, one query tile per sequence: 2. Otherwise 1. On an H100 (132
     SMs) with 64-key tiles: 32/8/128 B=1 -> 32 splits (16 at 1k keys: one tile each), B=16 -> 2,
     B=64 -> 2, B=256 -> 1; 8/1/128 B=1 -> 64, B=16 -> 16, B=64 -> 4, B=256 -> 1.
     """
-    programs = num_seqs * cdiv(max(1, max_query_len), block_q) * num_kv_heads
+    programs = _programs(num_seqs, num_kv_heads, max_query_len, block_q)
     tiles = cdiv(max(1, max_seq_len), block_n)
-    if max_splits <= 1 or tiles < MIN_TILES_TO_SPLIT:
+    if max_splits <= 1 or tiles < split_min_tiles(num_seqs=num_seqs, num_kv_heads=num_kv_heads,
+                                                  max_query_len=max_query_len, block_q=block_q, num_sms=num_sms):
         return 1
     target = PROGRAMS_PER_SM * num_sms
     if programs < target:
@@ -117,4 +118,18 @@ def choose_num_splits(*, num_seqs: int, num_kv_heads: int, max_query_len: int,
     low, high = DOUBLE_BAND
     decode_like = max_query_len <= block_q  # one query tile per sequence
     banded = low * num_sms <= programs < high * num_sms
-    return 2 if decode_like and banded and tiles >= 2 * MIN_TILES_TO_SPLIT else 1
+    return 2 if decode_like and banded else 1
+
+
+def split_min_tiles(*, num_seqs: int, num_kv_heads: int, max_query_len: int, block_q: int, num_sms: int) -> int:
+    """Key tiles a sequence needs before the policy splits it: MIN_TILES_TO_SPLIT while the
+    launch is short of programs, twice that from DOUBLE_BAND on. The kernel applies it per
+    sequence, so a launch planned for long sequences (a CUDA graph, captured for any length)
+    leaves its short ones unsplit."""
+    programs = _programs(num_seqs, num_kv_heads, max_query_len, block_q)
+    return MIN_TILES_TO_SPLIT if programs < PROGRAMS_PER_SM * num_sms else 2 * MIN_TILES_TO_SPLIT
+
+
+def _programs(num_seqs: int, num_kv_heads: int, max_query_len: int, block_q: int) -> int:
+    """Programs of one split of a launch: query tiles x KV heads."""
+    return num_seqs * cdiv(max(1, max_query_len), block_q) * num_kv_heads

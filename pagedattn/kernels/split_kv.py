@@ -100,7 +100,7 @@ def shared_workspace(device: torch.device, num_heads: int, num_kv_heads: int,
     return _shared[key]
 
 
-@triton.jit(do_not_specialize=["num_splits"])  # per-step counts: one variant for all
+@triton.jit(do_not_specialize=["num_splits", "stride_po_s", "stride_ps_s"])  # per-step values: one variant
 def _reduce_splits_kernel(
     part_out_ptr, part_stats_ptr, out_ptr, lse_ptr, num_splits,
     stride_po_s, stride_po_t, stride_po_h, stride_po_d,

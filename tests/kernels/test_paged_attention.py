@@ -143,6 +143,23 @@ def test_many_splits_and_empty_splits(num_splits):
     assert not out.isnan().any()
 
 
+def test_a_launch_planned_for_long_sequences_leaves_short_ones_unsplit():
+    """A CUDA graph plans its split count for any length (max_seq_len = the table's room); the
+    kernel then splits only the sequences with enough key tiles (`split_min_tiles`): the long
+    one here, not the short one. Both must match the unsplit launch."""
+    batch = make([(700, 1), (40, 1)], block_size=16)
+    args = kernel_args(batch)
+    args.max_seq_len = 4096
+    ws = SplitKVWorkspace.allocate(batch.num_tokens, 4, 32, 64, DEVICE)
+    ws.partial_out.fill_(float("nan"))
+    ws.partial_stats.fill_(float("nan"))
+    split_out, split_lse = attend(args, scale=0.3, workspace=ws)
+    assert not ws.partial_stats.isnan().all()  # the launch was split
+    out, lse = attend(args, scale=0.3)
+    torch.testing.assert_close(split_out, out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(split_lse, lse, atol=1e-5, rtol=1e-5)
+
+
 def test_splits_sharing_their_maximum_merge_exactly_at_huge_scores():
     """The reduction weighs split s by 2^(m_s - M) l_s: splits whose largest score is the same
     -1.4e5 merge by their counts alone, where one float32 LSE per split (ulp ~0.016 there)

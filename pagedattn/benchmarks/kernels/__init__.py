@@ -3,8 +3,9 @@
 `pagedattn bench kernels [--grid G[,G...]] [--backend P[,P...]] [--quick] [--match TEXT]
 [--splits N[,N...]] [--tiles KxWxS[,...]] [--out DIR]`
 
-Per case (cases.py: decode, long, prefill, chunked, mixed, graph grids), in one process on one
-set of tensors (shuffled pages, bf16 queries, bf16 or FP8 e4m3 KV), rows for:
+Per case (cases.py: decode, short (decode at an engine's short contexts), long, prefill, chunked,
+mixed, graph grids), in one process on one set of tensors (shuffled pages, bf16 queries, bf16 or
+FP8 e4m3 KV), rows for:
 - every available registered backend through the contract (`impl.forward`, store included);
 - `raw`: our kernels called directly (`store_kv` + one `paged_attention` launch); with
   `--splits`, also `raw-s<N>`: the same with the split-KV count forced to N, and with `--tiles`

@@ -22,7 +22,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-GRIDS = ("decode", "long", "prefill", "chunked", "mixed", "graph")
+GRIDS = ("decode", "short", "long", "prefill", "chunked", "mixed", "graph")
 KV_DTYPES = ("bf16", "fp8_e4m3")  # names as pagedattn.kv_cache_dtype takes them ("auto" -> "bf16")
 HEADS_GQA4 = (32, 8, 128)  # Llama-3-8B
 HEADS_GQA8 = (8, 1, 128)  # Llama-3-70B at tensor parallel 8: few programs, the hard decode
@@ -149,6 +149,13 @@ def decode_cases() -> list[Case]:
     return out
 
 
+def short_cases() -> list[Case]:
+    """Decode at the short contexts of an engine's early steps (a 128-token prompt and its first
+    outputs): per-program latency, not bandwidth, decides these."""
+    return [_decode(f"short 32/8/128 B={b} L={n} block 16 bf16", [n] * b)
+            for b in (64, 256) for n in (128, 256, 512)]
+
+
 def long_cases() -> list[Case]:
     out = []
     for heads in (HEADS_GQA4, HEADS_GQA8):
@@ -196,7 +203,7 @@ def graph_cases() -> list[Case]:
             for h, kv in ((HEADS_GQA4, "bf16"), (HEADS_GQA8, "bf16"), (HEADS_GQA4, "fp8_e4m3"))]
 
 
-_BUILDERS = dict(decode=decode_cases, long=long_cases, prefill=prefill_cases, chunked=chunked_cases,
+_BUILDERS = dict(decode=decode_cases, short=short_cases, long=long_cases, prefill=prefill_cases, chunked=chunked_cases,
                  mixed=mixed_cases, graph=graph_cases)
 
 # A handful of representative cells per grid (`--quick`): the issue's headline cells.
@@ -205,6 +212,7 @@ QUICK = {
                "decode 8/1/128 B=1 L=16k block 16 bf16", "decode 8/1/128 B=256 L=1k block 16 bf16",
                "decode 32/8/128 B=64 L=4k block 16 fp8_e4m3", "decode 32/8/128 B=16 L=4k block 1 bf16",
                "decode 32/8/128 B=16 L=4k window 128"),
+    "short": ("short 32/8/128 B=64 L=256 block 16 bf16",),
     "long": ("long 8/1/128 B=1 L=128k bf16",),
     "prefill": ("prefill paged 32/8/128 16x1k", "prefill paged 32/8/128 4x4k", "prefill ragged 32/8/128 4x4k"),
     "chunked": ("chunked 4x(2k over 4k)",),
