@@ -1,8 +1,13 @@
-"""CUDA graphs of decode-only steps: the model and its output head, one graph per batch size.
+"""CUDA graphs of decode steps: the model and its output head, per batch size and context class.
 
 Sizes 1, 2, 4, 8, 16, 32, ... (steps of 16) up to `max_num_seqs` are captured, largest first,
-sharing one memory pool, through the backend's `AttentionState`. A graph runs the model on its
-input-id and position buffers and then `compute_logits`, so a replayed step hands the sampler
+sharing one memory pool, through the backend's `AttentionState`, twice: for any context (the
+capture metadata's `max_decode_seq_len` is the block table's room) and for steps whose longest
+context is at most SHORT_CONTEXT tokens. A kernel plans its launch from that host int at
+capture (the `triton` backend: key tiles and split-KV count); a graph planned for any length
+runs short contexts, an engine's usual early steps, slower (docs/PERF.md).
+A graph runs the model on its input-id and position buffers and then `compute_logits`, so a
+replayed step hands the sampler
 float32 logits [batch, vocab] with no launch of its own in between (the output head reads as
 many bytes as a tenth of an 8B model's layers: outside the graph its launch gaps showed).
 A graph's logits live in the shared pool until the next replay; the sampler's kernels, queued
@@ -11,6 +16,7 @@ behind the replay on the same stream, read them first.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 from dataclasses import dataclass
@@ -23,6 +29,8 @@ from pagedattn.attention.state import AttentionState
 from pagedattn.layer import forward_context
 
 logger = logging.getLogger(__name__)
+
+SHORT_CONTEXT = 256  # the short class's bound on a step's longest context, in tokens
 
 
 @dataclass
@@ -44,9 +52,12 @@ class DecodeGraphs:
         self.max_num_seqs = max_num_seqs
         self.sizes = sorted({s for s in [1, 2, 4, 8, *range(16, max_num_seqs + 1, 16)] if s <= max_num_seqs}
                             | {max_num_seqs})
+        # Context classes: None (any length), then the short one where the table holds more.
+        self.classes = [None] + ([SHORT_CONTEXT] if max_blocks_per_seq * block_size > SHORT_CONTEXT else [])
+        self._last: tuple[int | None, int] | None = None  # the (class, size) replayed last
         self._ids = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self._pos = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
-        self._graphs: dict[int, _Graph] = {}
+        self._graphs: dict[tuple[int | None, int], _Graph] = {}
         state = backend.get_state_cls()(max_num_seqs, max_blocks_per_seq, block_size, device)
         state.set_layers(attention_impls)
         # No garbage collection inside a capture: a cycle collected there (an old engine: its
@@ -62,13 +73,17 @@ class DecodeGraphs:
             if collecting:
                 gc.enable()
         torch.cuda.synchronize(device)
-        logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+        logger.info("captured CUDA graphs for decode batch sizes %s, contexts %s", self.sizes,
+                    " and ".join("any" if c is None else f"<= {c}" for c in self.classes))
 
     def _capture(self, state: AttentionState) -> None:
         pool = None
         with torch.inference_mode(), state.graph_capture(self.max_num_seqs):
-            for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
+            for limit, bs in [(c, s) for c in self.classes for s in reversed(self.sizes)]:
+                # largest first, so smaller graphs reuse its memory pool
                 md = state.graph_capture_get_metadata_for_batch(bs)
+                if limit is not None:
+                    md = dataclasses.replace(md, max_decode_seq_len=limit)
                 graph_state = state.graph_clone(bs)
                 graph_state.begin_forward(md)
                 ids, pos = self._ids[:bs], self._pos[:bs]
@@ -79,7 +94,7 @@ class DecodeGraphs:
                     with torch.cuda.graph(graph, pool=pool):
                         logits = self.model.compute_logits(self.model(ids, pos))
                 pool = graph.pool() if pool is None else pool
-                self._graphs[bs] = _Graph(graph, graph_state, graph_state.get_graph_input_buffers(md), logits)
+                self._graphs[limit, bs] = _Graph(graph, graph_state, graph_state.get_graph_input_buffers(md), logits)
 
     def size_for(self, batch_size: int) -> int | None:
         """The smallest captured batch size that holds `batch_size` sequences, or None (eager)."""
@@ -89,7 +104,9 @@ class DecodeGraphs:
         """float32 [pad_to, vocab] for a decode-only step padded to a captured size (`md.num_seqs`);
         rows past `ids.shape[0]` are the padding's."""
         pad_to = md.num_seqs
-        g = self._graphs[pad_to]
+        short = [c for c in self.classes if c is not None and md.max_decode_seq_len <= c]
+        self._last = (short[0] if short else None, pad_to)
+        g = self._graphs[self._last]
         g.state.prepare_graph_input_buffers(g.buffers, md)
         g.state.begin_forward(md)
         n = ids.shape[0]
@@ -102,15 +119,16 @@ class DecodeGraphs:
 
     def time_replay(self, batch_size: int, reps: int = 20) -> float | None:
         """Device seconds of one replay of the graph that serves `batch_size` decodes (the model and
-        its output head, without sampling or host work): the median of `reps` timed back to back,
-        its inputs as the last step left them; None when no graph holds the batch. It rewrites the
+        its output head, without sampling or host work), of the context class the last step
+        replayed: the median of `reps` timed back to back, its inputs as the last step left them;
+        None when no graph holds the batch. It rewrites the
         K/V slots that step wrote, with the same values: call it between steps of running requests."""
         if reps < 1:
             raise ValueError(f"expected reps >= 1, got {reps}")
         size = self.size_for(batch_size)
         if size is None:
             return None
-        graph = self._graphs[size].graph
+        graph = self._graphs[self._last[0] if self._last else None, size].graph
         times = []
         for _ in range(reps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

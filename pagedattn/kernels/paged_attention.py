@@ -409,13 +409,14 @@ def paged_attention(
         return out
 
     group = num_heads // num_kv_heads
+    sms = num_sms(device)
     chosen = choose_tile(head_size=head_size, group=group, max_query_len=max_query_len,
-                         elem_bytes=query.element_size(), interpret=INTERPRET)
+                         elem_bytes=query.element_size(), interpret=INTERPRET, max_seq_len=max_seq_len,
+                         num_seqs=num_seqs, num_kv_heads=num_kv_heads, num_sms=sms)
     tile = chosen if tile is None else forced_tile(chosen, *tile, interpret=INTERPRET)
     limit = 1 if workspace is None else workspace.splits_for(num_tokens, num_heads, head_size)
     min_tiles = 0  # a forced count splits every sequence
     if num_splits is None:
-        sms = num_sms(device)
         num_splits = 1 if limit < 2 else choose_num_splits(
             num_seqs=num_seqs, num_kv_heads=num_kv_heads, max_query_len=max_query_len,
             max_seq_len=max_seq_len, block_q=tile.block_q, block_n=tile.block_n,

@@ -55,15 +55,34 @@ _DECODE_TILES = {
 }
 
 
-def choose_tile(*, head_size: int, group: int, max_query_len: int, elem_bytes: int,
-                interpret: bool) -> AttentionTile:
-    """The tile for one launch; `elem_bytes` is the query element size (4 shrinks tiles)."""
+# Decode-like tiles of up to 32 rows and head sizes up to 128, by the longest sequence: fitted on
+# the H100 (docs/PERF.md, "Decode tiles by context length"), (block_n, num_warps, num_stages).
+SHORT_KEYS = 256  # up to this many keys: 32-key tiles (a program's few tiles, more programs resident)
+LONG_KEYS = 4096  # from this many keys (from 512 in a launch of >= PROGRAMS_PER_SM programs an SM): 128
+_SHORT_TILE, _MID_TILE, _LONG_TILE = (32, 4, 2), (64, 4, 2), (128, 4, 2)
+
+
+def _decode_tile(key: int, block_m: int, max_seq_len: int, programs: int, num_sms: int) -> tuple[int, int, int]:
+    if key > 128 or block_m > 32 or max_seq_len <= 0:
+        return _DECODE_TILES[key]
+    if max_seq_len <= SHORT_KEYS:
+        return _SHORT_TILE
+    if max_seq_len >= LONG_KEYS or (max_seq_len >= 2 * SHORT_KEYS and programs >= PROGRAMS_PER_SM * num_sms):
+        return _LONG_TILE
+    return _MID_TILE
+
+
+def choose_tile(*, head_size: int, group: int, max_query_len: int, elem_bytes: int, interpret: bool,
+                max_seq_len: int = 0, num_seqs: int = 1, num_kv_heads: int = 1, num_sms: int = 1) -> AttentionTile:
+    """The tile for one launch; `elem_bytes` is the query element size (4 shrinks tiles).
+    Decode-like launches pick their key tile by `max_seq_len` (0: unknown, the fixed table) and
+    their size (`num_seqs` x `num_kv_heads` programs on `num_sms`)."""
     head_pad = max(16, next_pow2(head_size))
     key = min(max(head_pad, 32), 256)
     rows = next_pow2(max(1, max_query_len) * group)
     if rows <= 64:
-        block_m = max(16, rows)
-        block_n, num_warps, num_stages = _DECODE_TILES[key]
+        block_m = max(16, rows, next_pow2(group))
+        block_n, num_warps, num_stages = _decode_tile(key, block_m, max_seq_len, num_seqs * num_kv_heads, num_sms)
     else:
         block_m, block_n, num_warps, num_stages = _PREFILL_TILES[key]
     block_m = max(block_m, next_pow2(group))  # at least one token's heads per program
