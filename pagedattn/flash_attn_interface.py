@@ -195,7 +195,8 @@ def flash_attn_varlen_func(
     cu_seqlens_q, cu_seqlens_k: [B+1] int32 on q's device; with `block_table`,
         cu_seqlens_k[b+1] - cu_seqlens_k[b] is sequence b's key count, its keys the first ones
         of its block table (a chunked prefill over a cached prefix).
-    max_seqlen_q, max_seqlen_k: host ints bounding the query and key lengths (launch shape only).
+    max_seqlen_q, max_seqlen_k: host ints bounding the query and key lengths (the launch shape);
+        as in FlashAttention, a max_seqlen_q below a sequence's query length leaves rows uncomputed.
     dropout_p: must be 0. softmax_scale: default D ** -0.5. causal: bottom-right aligned.
     window_size: (left, right), see the module doc. softcap: c in c * tanh(s / c); <= 0 is off.
     alibi_slopes: [Hq] float32, causal only. deterministic: accepted (see the module doc).

@@ -193,6 +193,22 @@ class Attention(nn.Module):
         return f"backend={self.backend.get_name()}, heads={i.num_heads}/{i.num_kv_heads}, head_size={i.head_size}, layer_idx={self.layer_idx}"
 
 
+@contextlib.contextmanager
+def kv_scale_calibration_paused(model: nn.Module) -> Iterator[None]:
+    """Forwards inside leave every `Attention` layer's FP8 scales as they are, calibrated or not:
+    dummy steps (an engine's warm-up) must not fix a scale from their data; the first real
+    prefill after the block still calibrates."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    saved = [dict(m.calibrating) for m in layers]
+    for m in layers:
+        m.calibrating = {"k": False, "v": False}
+    try:
+        yield
+    finally:
+        for m, flags in zip(layers, saved):
+            m.calibrating = flags
+
+
 def attention_impls(model: nn.Module) -> list[AttentionImpl]:
     """The impl of every `Attention` layer of `model`, in module order (layer order for the
     models here): what a metadata builder or CUDA-graph state that plans per layer is given."""

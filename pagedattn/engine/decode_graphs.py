@@ -6,20 +6,19 @@ capture metadata's `max_decode_seq_len` is the block table's room) and for steps
 context is at most SHORT_CONTEXT tokens. A kernel plans its launch from that host int at
 capture (the `triton` backend: key tiles and split-KV count); a graph planned for any length
 runs short contexts, an engine's usual early steps, slower (docs/PERF.md).
+
 A graph runs the model on its input-id and position buffers and then `compute_logits`, so a
-replayed step hands the sampler
-float32 logits [batch, vocab] with no launch of its own in between (the output head reads as
-many bytes as a tenth of an 8B model's layers: outside the graph its launch gaps showed).
-A graph's logits live in the shared pool until the next replay; the sampler's kernels, queued
-behind the replay on the same stream, read them first.
+replayed step hands the sampler float32 logits [batch, vocab] with no launch of its own in
+between (the output head reads as many bytes as a tenth of an 8B model's layers: outside the
+graph its launch gaps showed). A graph's logits live in the shared pool until the next replay;
+the sampler's kernels, queued behind the replay on the same stream, read them first.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -83,7 +82,7 @@ class DecodeGraphs:
                 # largest first, so smaller graphs reuse its memory pool
                 md = state.graph_capture_get_metadata_for_batch(bs)
                 if limit is not None:
-                    md = dataclasses.replace(md, max_decode_seq_len=limit)
+                    md = replace(md, max_decode_seq_len=limit)
                 graph_state = state.graph_clone(bs)
                 graph_state.begin_forward(md)
                 ids, pos = self._ids[:bs], self._pos[:bs]
@@ -104,8 +103,8 @@ class DecodeGraphs:
         """float32 [pad_to, vocab] for a decode-only step padded to a captured size (`md.num_seqs`);
         rows past `ids.shape[0]` are the padding's."""
         pad_to = md.num_seqs
-        short = [c for c in self.classes if c is not None and md.max_decode_seq_len <= c]
-        self._last = (short[0] if short else None, pad_to)
+        short = SHORT_CONTEXT in self.classes and md.max_decode_seq_len <= SHORT_CONTEXT
+        self._last = (SHORT_CONTEXT if short else None, pad_to)
         g = self._graphs[self._last]
         g.state.prepare_graph_input_buffers(g.buffers, md)
         g.state.begin_forward(md)
@@ -121,8 +120,8 @@ class DecodeGraphs:
         """Device seconds of one replay of the graph that serves `batch_size` decodes (the model and
         its output head, without sampling or host work), of the context class the last step
         replayed: the median of `reps` timed back to back, its inputs as the last step left them;
-        None when no graph holds the batch. It rewrites the
-        K/V slots that step wrote, with the same values: call it between steps of running requests."""
+        None when no graph holds the batch. It rewrites the K/V slots that step wrote, with the
+        same values: call it between steps of running requests."""
         if reps < 1:
             raise ValueError(f"expected reps >= 1, got {reps}")
         size = self.size_for(batch_size)

@@ -39,7 +39,7 @@ from pagedattn.engine.sampling_params import SamplingParams
 from pagedattn.engine.scheduler import ScheduledChunk, SchedulerOutput
 from pagedattn.engine.warmup import warmup_steps
 from pagedattn.intmath import cdiv
-from pagedattn.layer import attention_impls, forward_context
+from pagedattn.layer import attention_impls, forward_context, kv_scale_calibration_paused
 from pagedattn.models.layers import pack_linears_for_cpu
 
 logger = logging.getLogger(__name__)
@@ -257,10 +257,11 @@ class ModelRunner:
                              max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
                              max_model_len=self.spec.max_model_len)
         start = time.perf_counter()
-        for seqs in steps:
-            positions = [p for s in seqs for p in range(s.context_len, s.seq_len)]
-            pos = self._device_ints(positions)
-            self._run(self.builder.build(seqs), torch.zeros_like(pos), pos)
+        with kv_scale_calibration_paused(self.model):  # dummy K/V must not set FP8 scales
+            for seqs in steps:
+                positions = [p for s in seqs for p in range(s.context_len, s.seq_len)]
+                pos = self._device_ints(positions)
+                self._run(self.builder.build(seqs), torch.zeros_like(pos), pos)
         torch.cuda.synchronize(self.device)
         logger.info("warmed up on %d dummy steps in %.1f s", len(steps), time.perf_counter() - start)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedattn.engine.sampling_params import SamplingParams
-from pagedattn.layer import KV_SCALE_HEADROOM, Attention
+from pagedattn.layer import KV_SCALE_HEADROOM, Attention, kv_scale_calibration_paused
 
 from .conftest import random_prompts
 
@@ -43,6 +43,8 @@ def test_first_prefill_calibrates_the_scales_then_they_stay(tiny, device, backen
 
     handles = [a.register_forward_hook(hook) for a in _layers(loaded)]
     engine = make_engine(loaded, kv_cache_dtype="fp8")
+    # start-up (profiling, warm-up steps on CUDA, graph capture) calibrates nothing
+    assert _scales(loaded) == [(1.0, 1.0)] * 2 and all(a.calibrating == {"k": True, "v": True} for a in _layers(loaded))
     engine.generate(random_prompts((12, 30), seed=20), [GREEDY] * 2)
     for h in handles:
         h.remove()
@@ -132,6 +134,18 @@ def test_checkpoint_scales_are_loaded_and_kept(tiny, tmp_path, device, backend_n
     assert all(a.calibrating == {"k": False, "v": False} for a in _layers(loaded))
     make_engine(loaded, kv_cache_dtype="fp8").generate(random_prompts((20,), seed=23), [GREEDY])
     assert _scales(loaded) == [values[0], values[1]]  # never calibrated over
+
+
+def test_steps_with_calibration_paused_leave_the_scales_to_the_next_prefill(tiny, device, backend_name,
+                                                                            make_engine):
+    """What the engine's start-up warm-up relies on: its dummy prefills set no scale."""
+    loaded = _load(tiny.folder, device, backend_name)
+    engine = make_engine(loaded, kv_cache_dtype="fp8")
+    with kv_scale_calibration_paused(loaded.model):
+        engine.generate(random_prompts((12,), seed=25), [GREEDY])
+    assert _scales(loaded) == [(1.0, 1.0)] * 2 and all(a.calibrating == {"k": True, "v": True} for a in _layers(loaded))
+    engine.generate(random_prompts((12,), seed=26), [GREEDY])
+    assert all(1.0 not in pair for pair in _scales(loaded))
 
 
 def test_old_kv_scale_sets_both_and_the_other_layer_calibrates(tiny, tmp_path, device, backend_name, make_engine):
