@@ -33,18 +33,18 @@ def _scales(loaded) -> list[tuple[float, float]]:
 def test_first_prefill_calibrates_the_scales_then_they_stay(tiny, device, backend_name, make_engine):
     loaded = _load(tiny.folder, device, backend_name)
     assert _scales(loaded) == [(1.0, 1.0)] * 2 and all(a.calibrating == {"k": True, "v": True} for a in _layers(loaded))
-    # Capture the K/V of each layer's calibrating call (the call after which it stopped
-    # calibrating; not a profiling or graph-capture call) to recompute the scales here.
+    # Capture the K/V of each layer's calibrating call (the first after start-up after which it
+    # stopped calibrating) to recompute the scales here.
     first_kv = {}
 
     def hook(layer, args, output):
         if id(layer) not in first_kv and not layer.calibrating["k"]:
             first_kv[id(layer)] = (args[1].detach().clone(), args[2].detach().clone())
 
-    handles = [a.register_forward_hook(hook) for a in _layers(loaded)]
     engine = make_engine(loaded, kv_cache_dtype="fp8")
     # start-up (profiling, warm-up steps on CUDA, graph capture) calibrates nothing
     assert _scales(loaded) == [(1.0, 1.0)] * 2 and all(a.calibrating == {"k": True, "v": True} for a in _layers(loaded))
+    handles = [a.register_forward_hook(hook) for a in _layers(loaded)]
     engine.generate(random_prompts((12, 30), seed=20), [GREEDY] * 2)
     for h in handles:
         h.remove()
