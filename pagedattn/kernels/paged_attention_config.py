@@ -14,7 +14,7 @@ Two regimes, chosen by the step's largest query length:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from pagedattn.intmath import cdiv
 
@@ -37,6 +37,7 @@ class AttentionTile:
     block_n: int       # keys per inner-loop step
     num_warps: int
     num_stages: int
+    tma: bool = False  # read contiguous K/V (`kv_start_loc`) through TMA descriptors where possible
 
 
 # head_pad -> (block_m, block_n, num_warps, num_stages) for 16-bit queries.
@@ -94,23 +95,31 @@ def choose_tile(*, head_size: int, group: int, max_query_len: int, elem_bytes: i
     if interpret:
         num_warps, num_stages = 1, 1
     block_q = max(1, block_m // group)
-    return AttentionTile(block_q, block_m, block_n, num_warps, num_stages)
+    return AttentionTile(block_q, block_m, block_n, num_warps, num_stages, tma=rows > 64)
 
 
-def forced_tile(tile: AttentionTile, block_n: int, num_warps: int, num_stages: int, *,
-                interpret: bool) -> AttentionTile:
-    """`tile` with a caller's (BLOCK_N, num_warps, num_stages) for tuning runs; refused with the
-    reason when Triton could not launch it (under the interpreter warps and stages stay 1)."""
+def forced_tile(tile: AttentionTile, block_n: int, num_warps: int, num_stages: int,
+                block_m: int | None = None, tma: bool = False, *, group: int, interpret: bool) -> AttentionTile:
+    """`tile` with a caller's (BLOCK_N, num_warps, num_stages[, BLOCK_M rows[, TMA]]) for tuning
+    runs; refused with the reason when Triton could not launch it (under the interpreter warps
+    and stages stay 1). Without `block_m` the rows stay the policy's; `tma` asks for descriptors
+    (used only where the launch can: contiguous 16-bit K/V on a Hopper GPU)."""
+    block_m = tile.block_m if block_m is None else block_m
     for name, value, ok, expect in (
-            ("block_n", block_n, block_n >= 16 and block_n & (block_n - 1) == 0 and block_n <= 256,
-             "a power of two in 16..256"),
+            ("block_n", block_n, _pow2_in(block_n, 16, 256), "a power of two in 16..256"),
+            ("block_m", block_m, _pow2_in(block_m, max(16, next_pow2(group)), 256),
+             f"a power of two in {max(16, next_pow2(group))}..256 (one token's {group} heads at least)"),
             ("num_warps", num_warps, num_warps in (1, 2, 4, 8, 16), "1, 2, 4, 8 or 16"),
             ("num_stages", num_stages, 1 <= num_stages <= 8, "1..8")):
         if not ok:
             raise ValueError(f"expected tile {name} {expect}, got {value}")
     if interpret:
         num_warps, num_stages = 1, 1
-    return replace(tile, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    return AttentionTile(max(1, block_m // group), block_m, block_n, num_warps, num_stages, bool(tma))
+
+
+def _pow2_in(x: int, lo: int, hi: int) -> bool:
+    return lo <= x <= hi and x & (x - 1) == 0
 
 
 def choose_num_splits(*, num_seqs: int, num_kv_heads: int, max_query_len: int,

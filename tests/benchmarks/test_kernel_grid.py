@@ -18,6 +18,7 @@ from pagedattn.benchmarks.kernels import cases as C
 from pagedattn.benchmarks.kernels import main, parse_args
 from pagedattn.benchmarks.kernels.floors import keys_read, visible_pairs, work
 from pagedattn.benchmarks.kernels.report import ENV_FIELDS, ROW_FIELDS, make_row, markdown, write_all
+from pagedattn.benchmarks.kernels.tiles import parse_tile, tile_label
 
 CEILINGS = dict(copy_gbs=3000.0, read_gbs=3200.0, matmul_tflops=800.0)
 
@@ -171,12 +172,18 @@ def test_arguments_select_cases_and_providers():
     assert args.providers == ["raw", "sdpa"]
     assert len(parse_args(["--grid", "prefill,mixed"], "p").cases) == 18 + 3
     assert parse_args(["--splits", "16,1, 4,16"], "p").splits == [1, 4, 16]
-    assert parse_args(["--tiles", "64x4x3,128X8x2"], "p").tiles == [(64, 4, 3), (128, 8, 2)]
+    assert parse_args(["--tiles", "64x4x3,128X8x2"], "p").tiles == [(64, 4, 3, None, False), (128, 8, 2, None, False)]
+    assert parse_args(["--tiles", "128x128x8x3t"], "p").tiles == [(128, 8, 3, 128, True)]
+
+
+def test_forced_tiles_name_their_rows():
+    assert [tile_label(parse_tile(t)) for t in ("64x4x3", "128x128x8x3t", "64x32x4x2")] == [
+        "n64w4s3", "m128n128w8s3t", "m64n32w4s2"]
 
 
 @pytest.mark.parametrize("argv", [["--backend", "nope"], ["--grid", "nope"], ["--match", "no such case"],
                                   ["--splits", "4,x"], ["--splits", "0"], ["--tiles", "64x4"],
-                                  ["--tiles", "64xfourx3"]])
+                                  ["--tiles", "64xfourx3"], ["--tiles", "1x2x3x4x5"], ["--tiles", "64x4x3tt"]])
 def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         parse_args(argv, "p")

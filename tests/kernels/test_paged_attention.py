@@ -227,6 +227,40 @@ def test_contiguous_kv_with_kv_start_loc(causal):
         assert torch.isneginf(lse[qsl[2]:]).all()  # a sequence with no keys: empty part
 
 
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("head_size", [64, 128])
+def test_contiguous_prompts_through_tma(tma, head_size):
+    """Fresh prompts over contiguous 16-bit K/V (the `triton` backend's prefill path), with the
+    prefill tile's TMA descriptors forced on or off (on a Hopper GPU they run; elsewhere the
+    launch falls back to pointer loads). Rows between the sequences hold inf: masked edge tiles
+    must never read them, and unmasked tiles (the TMA loads) lie inside their own sequence."""
+    g = torch.Generator().manual_seed(5)
+    q_lens = [300, 77, 129, 1]
+    num_heads, num_kv_heads, dtype = 8, 2, torch.bfloat16
+    gap = 3
+    starts = [sum(q_lens[:i]) + gap * i for i in range(len(q_lens) + 1)]
+    q = torch.randn(sum(q_lens), num_heads, head_size, generator=g).to(dtype)
+    k = torch.full((starts[-1], num_kv_heads, head_size), float("inf")).to(dtype)
+    v = k.clone()
+    for b, n in enumerate(q_lens):
+        k[starts[b]:starts[b] + n] = torch.randn(n, num_kv_heads, head_size, generator=g).to(dtype)
+        v[starts[b]:starts[b] + n] = torch.randn(n, num_kv_heads, head_size, generator=g).to(dtype)
+    qsl = [sum(q_lens[:i]) for i in range(len(q_lens) + 1)]
+    out = torch.empty_like(q, device=DEVICE)
+    paged_attention(
+        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), out,
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(q_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=None, max_query_len=max(q_lens), max_seq_len=max(q_lens), scale=0.1,
+        kv_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        tile=(64, 8 if DEVICE == "cuda" else 1, 3, 128, tma))
+    for b, n in enumerate(q_lens):
+        qs, ks = slice(qsl[b], qsl[b + 1]), slice(starts[b], starts[b] + n)
+        ref, _ = dense_attention_with_lse(q[qs].double(), k[ks].double(), v[ks].double(), scale=0.1,
+                                          causal=True)
+        assert rel_l2(out[qs].double().cpu(), ref) <= TOL[dtype]
+
+
 def test_strided_flashinfer_layout_cache():
     batch = make(SHAPES["mixed"], block_size=5)
     args = kernel_args(batch)
@@ -285,15 +319,15 @@ def test_a_row_with_no_keys_is_zero_with_minus_inf_lse(num_splits):
     torch.testing.assert_close(lse[keep], full_lse[keep], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("tile", [(16, 4, 2), (32, 4, 3), (128, 8, 2)])
+@pytest.mark.parametrize("tile", [(16, 4, 2), (32, 4, 3), (128, 8, 2), (32, 4, 2, 64), (64, 8, 3, 16, True)])
 @pytest.mark.parametrize("shape", ["many_decodes", "mixed"])
 def test_forced_tiles_agree(tile, shape):
-    """`tile=(keys per step, warps, stages)` (tuning runs, `bench kernels --tiles`) changes
-    speed only."""
+    """`tile=(keys per step, warps, stages[, rows[, TMA]])` (tuning runs, `bench kernels
+    --tiles`) changes speed only."""
     check_against_oracle(make(SHAPES[shape], block_size=5), tile=tile)
 
 
-@pytest.mark.parametrize("tile", [(48, 4, 2), (8, 4, 2), (64, 3, 2), (64, 4, 0)])
+@pytest.mark.parametrize("tile", [(48, 4, 2), (8, 4, 2), (64, 3, 2), (64, 4, 0), (64, 4, 2, 24), (64, 4, 2, 512)])
 def test_forced_tile_refused_with_the_reason(tile):
     with pytest.raises(ValueError, match="expected tile"):
         attend(kernel_args(make(SHAPES["single_decode"])), scale=1.0, tile=tile)

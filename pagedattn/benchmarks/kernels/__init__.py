@@ -1,7 +1,7 @@
 """Paged-attention kernels and backends against FlashInfer and dense SDPA, on the same data (GPU).
 
 `pagedattn bench kernels [--grid G[,G...]] [--backend P[,P...]] [--quick] [--match TEXT]
-[--splits N[,N...]] [--tiles KxWxS[,...]] [--out DIR]`
+[--splits N[,N...]] [--tiles [M]xKxWxS[t][,...]] [--out DIR]`
 
 Per case (cases.py: decode, short (decode at an engine's short contexts), long, prefill, chunked,
 mixed, graph grids), in one process on one set of tensors (shuffled pages, bf16 queries, bf16 or
@@ -9,7 +9,8 @@ FP8 e4m3 KV), rows for:
 - every available registered backend through the contract (`impl.forward`, store included);
 - `raw`: our kernels called directly (`store_kv` + one `paged_attention` launch); with
   `--splits`, also `raw-s<N>`: the same with the split-KV count forced to N, and with `--tiles`
-  `raw-n<K>w<W>s<S>`: with K keys per step, W warps and S pipeline stages (to tune the policies);
+  `raw-[m<M>]n<K>w<W>s<S>[t]`: with M query rows, K keys per step, W warps, S pipeline stages
+  and TMA descriptors (to tune the policies);
 - `flashinfer-raw`: FlashInfer's wrappers called directly, with its `append_paged_kv_cache`
   (bf16) or our `store_kv` (FP8) so it stores what the contract stores; always run when
   FlashInfer imports, since it is the reference of the speed and error columns;
@@ -30,6 +31,7 @@ from pathlib import Path
 from pagedattn.benchmarks import require_cuda
 
 from .cases import GRIDS, select
+from .tiles import parse_tile
 
 SDPA_NAMES = ("sdpa", "sdpa-cudnn", "sdpa-flash")
 OWN_NAMES = ("raw", "flashinfer-raw")
@@ -58,8 +60,9 @@ def parse_args(argv: list[str] | None, prog: str | None) -> argparse.Namespace:
                         help="comma list of split-KV counts: a raw-s<N> row each, our kernels "
                              "with the split count forced")
     parser.add_argument("--tiles", default="",
-                        help="comma list of KEYSxWARPSxSTAGES (e.g. 64x4x3,128x8x2): a raw-n<K>w<W>s<S> row "
-                             "each, our kernels with that tile")
+                        help="comma list of [ROWSx]KEYSxWARPSxSTAGES[t] (e.g. 64x4x3,128x128x8x3t): a "
+                             "raw-[m<M>]n<K>w<W>s<S>[t] row each, our kernels with that tile (t: TMA "
+                             "descriptors for contiguous K/V)")
     parser.add_argument("--out", default="kernel_bench", type=Path,
                         help="folder for results.json/.csv/.md and roofline.png (default: kernel_bench)")
     args = parser.parse_args(argv)
@@ -81,10 +84,11 @@ def parse_args(argv: list[str] | None, prog: str | None) -> argparse.Namespace:
         parser.error(f"expected --splits counts >= 1, got {args.splits}")
     text, args.tiles = args.tiles, []
     for item in _names(text):
-        parts = item.lower().split("x")
-        if len(parts) != 3 or not all(p.isdigit() for p in parts):
-            parser.error(f"expected --tiles as KEYSxWARPSxSTAGES items (e.g. 64x4x3), got {item!r}")
-        args.tiles.append(tuple(int(p) for p in parts))
+        tile = parse_tile(item)
+        if tile is None:
+            parser.error(f"expected --tiles as [ROWSx]KEYSxWARPSxSTAGES[t] items (e.g. 64x4x3, 128x128x8x3t), "
+                         f"got {item!r}")
+        args.tiles.append(tile)
     args.providers = _names(args.backend) if args.backend else None
     bad = [n for n in args.providers or [] if n not in valid]
     if bad:

@@ -13,7 +13,7 @@ from .step import NotApplicable, Step
 from .workload import InputSet, Workload
 
 
-def prepare_raw(w: Workload, num_splits: int | None = None, tile: tuple[int, int, int] | None = None) -> Step:
+def prepare_raw(w: Workload, num_splits: int | None = None, tile: tuple | None = None) -> Step:
     c = w.case
     ws = shared_workspace(w.device, c.num_heads, c.num_kv_heads, c.head_size)
     max_seq_len = max(c.seq_lens)

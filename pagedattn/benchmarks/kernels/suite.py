@@ -21,6 +21,7 @@ from tqdm import tqdm
 import pagedattn
 
 from .cases import Case
+from .tiles import tile_label
 from .ceilings import measure_ceilings
 from .contract import prepare_contract
 from .environment import environment
@@ -47,10 +48,10 @@ class Provider:
 
 
 def providers(selection: list[str] | None, splits: list[int] = (),
-              tiles: list[tuple[int, int, int]] = ()) -> tuple[list[Provider], list[str]]:
+              tiles: list[tuple] = ()) -> tuple[list[Provider], list[str]]:
     """The providers to run (flashinfer-raw always: it is the reference of the speed and error
     columns), and one line per registered backend that cannot run here; `splits` adds one
-    `raw-s<N>` row per forced split count, `tiles` one `raw-n<K>w<W>s<S>` row per forced tile."""
+    `raw-s<N>` row per forced split count, `tiles` one `raw-<tile_label>` row per forced tile."""
     statuses = pagedattn.list_backends()
     wanted = set(selection or [])
     if "sdpa" in wanted:
@@ -61,7 +62,7 @@ def providers(selection: list[str] | None, splits: list[int] = (),
 
     out = [Provider(RAW, "raw", lambda w, graph: prepare_raw(w))] if on(RAW) else []
     out += [Provider(f"{RAW}-s{n}", "raw", lambda w, graph, n=n: prepare_raw(w, n)) for n in splits]
-    out += [Provider(f"{RAW}-n{t[0]}w{t[1]}s{t[2]}", "raw", lambda w, graph, t=t: prepare_raw(w, tile=t))
+    out += [Provider(f"{RAW}-{tile_label(t)}", "raw", lambda w, graph, t=t: prepare_raw(w, tile=t))
             for t in tiles]
     out.append(Provider(FLASHINFER_RAW, "peer", prepare_flashinfer))
     unavailable = [f"{s.name}: {'; '.join(s.reasons)}" for s in statuses if not s.available and on(s.name)]
@@ -157,7 +158,7 @@ def run_case(case: Case, plist: list[Provider], ceilings: dict, flusher: Flusher
 
 
 def run_suite(cases: list[Case], selection: list[str] | None, out_dir: Path, argv: list[str],
-              splits: list[int] = (), tiles: list[tuple[int, int, int]] = ()) -> dict:
+              splits: list[int] = (), tiles: list[tuple] = ()) -> dict:
     """Measure the ceilings, run every case, write the files under `out_dir`; returns the report."""
     device = torch.device("cuda")
     plist, unavailable = providers(selection, splits, tiles)
