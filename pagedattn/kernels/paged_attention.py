@@ -85,7 +85,7 @@ def _attend_tiles(
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    PAGED: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    PAGED: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Online-softmax update over key tiles [j_start, j_end) (units of BLOCK_N keys).
     MASK: apply per-row causal/window/length masks; loads are masked to [key_lo, key_hi).
@@ -95,7 +95,7 @@ def _attend_tiles(
     d_ok = d < HEAD_SIZE
     kh_off = kvh.to(tl.int64) * stride_kh
     vh_off = kvh.to(tl.int64) * stride_vh
-    for j in range(j_start, j_end):
+    for j in tl.range(j_start, j_end, warp_specialize=WS):
         n = j * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = (n >= key_lo) & (n < key_hi)  # only used by MASK tiles
         if PAGED:
@@ -188,7 +188,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, ONE_TILE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, FP8_KV: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, FP8_KV: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
     WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
     # Axis 0 enumerates (query tile, KV head), KV heads fastest and the last query tiles -
@@ -284,21 +284,21 @@ def _paged_attention_kernel(
         key_lo, key_hi, stride_kb, stride_ks, stride_kh, stride_kd,
         stride_vb, stride_vs, stride_vh, stride_vd,
         HEAD_SIZE, HEAD_PAD, BLOCK_N, BLOCK_SIZE, True, CAUSAL, USE_WINDOW, USE_ALIBI,
-        USE_SOFTCAP, PAGED, TMA, UPCAST, IEEE)
+        USE_SOFTCAP, PAGED, TMA, False, UPCAST, IEEE)
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, tl.maximum(s_lo, j_full_lo), tl.minimum(s_hi, j_full_hi),
         k_ptr, v_ptr, k_desc, v_desc, bt_row_ptr, kv_row0, kvh, qk_scale, soft_cap, slope, q_pos, window,
         key_lo, key_hi, stride_kb, stride_ks, stride_kh, stride_kd,
         stride_vb, stride_vs, stride_vh, stride_vd,
         HEAD_SIZE, HEAD_PAD, BLOCK_N, BLOCK_SIZE, False, CAUSAL, USE_WINDOW, USE_ALIBI,
-        USE_SOFTCAP, PAGED, TMA, UPCAST, IEEE)
+        USE_SOFTCAP, PAGED, TMA, WS, UPCAST, IEEE)
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, tl.maximum(s_lo, j_full_hi), s_hi,
         k_ptr, v_ptr, k_desc, v_desc, bt_row_ptr, kv_row0, kvh, qk_scale, soft_cap, slope, q_pos, window,
         key_lo, key_hi, stride_kb, stride_ks, stride_kh, stride_kd,
         stride_vb, stride_vs, stride_vh, stride_vd,
         HEAD_SIZE, HEAD_PAD, BLOCK_N, BLOCK_SIZE, True, CAUSAL, USE_WINDOW, USE_ALIBI,
-        USE_SOFTCAP, PAGED, TMA, UPCAST, IEEE)
+        USE_SOFTCAP, PAGED, TMA, False, UPCAST, IEEE)
 
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -492,7 +492,7 @@ def paged_attention(
         BLOCK_SIZE=block_size, SPLIT=num_splits > 1, ONE_TILE=one_tile, SEARCH_STEPS=search_steps(num_seqs),
         CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None,
         USE_ALIBI=alibi_slopes is not None, USE_SOFTCAP=soft_cap is not None, FP8_KV=fp8,
-        PAGED=paged, TMA=tma, WRITE_LSE=lse is not None, UPCAST=INTERPRET,
+        PAGED=paged, TMA=tma, WS=tma and tile.ws, WRITE_LSE=lse is not None, UPCAST=INTERPRET,
         IEEE=query.dtype == torch.float32,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )

@@ -37,7 +37,8 @@ class AttentionTile:
     block_n: int       # keys per inner-loop step
     num_warps: int
     num_stages: int
-    tma: bool = False  # read contiguous K/V (`kv_start_loc`) through TMA descriptors where possible
+    tma: bool = False  # read contiguous K/V (`kv_start_loc`) through TMA descriptors where possible (tuning)
+    ws: bool = False   # with TMA: warp-specialise the unmasked key loop (Triton's producer/consumer split)
 
 
 # head_pad -> (block_m, block_n, num_warps, num_stages) for 16-bit queries.
@@ -95,11 +96,12 @@ def choose_tile(*, head_size: int, group: int, max_query_len: int, elem_bytes: i
     if interpret:
         num_warps, num_stages = 1, 1
     block_q = max(1, block_m // group)
-    return AttentionTile(block_q, block_m, block_n, num_warps, num_stages, tma=rows > 64)
+    return AttentionTile(block_q, block_m, block_n, num_warps, num_stages)
 
 
 def forced_tile(tile: AttentionTile, block_n: int, num_warps: int, num_stages: int,
-                block_m: int | None = None, tma: bool = False, *, group: int, interpret: bool) -> AttentionTile:
+                block_m: int | None = None, tma: bool = False, ws: bool = False, *, group: int,
+                interpret: bool) -> AttentionTile:
     """`tile` with a caller's (BLOCK_N, num_warps, num_stages[, BLOCK_M rows[, TMA]]) for tuning
     runs; refused with the reason when Triton could not launch it (under the interpreter warps
     and stages stay 1). Without `block_m` the rows stay the policy's; `tma` asks for descriptors
@@ -115,7 +117,8 @@ def forced_tile(tile: AttentionTile, block_n: int, num_warps: int, num_stages: i
             raise ValueError(f"expected tile {name} {expect}, got {value}")
     if interpret:
         num_warps, num_stages = 1, 1
-    return AttentionTile(max(1, block_m // group), block_m, block_n, num_warps, num_stages, bool(tma))
+    return AttentionTile(max(1, block_m // group), block_m, block_n, num_warps, num_stages, bool(tma or ws),
+                         bool(ws) and not interpret)
 
 
 def _pow2_in(x: int, lo: int, hi: int) -> bool:

@@ -92,7 +92,7 @@ CASES = {
                                            sliding_window=4, soft_cap=3.0, alibi=True),
     "prefill_bf16_d256_fp8e4": dict(lens=[(40, 200)], heads=(8, 2), head_size=256,
                                     dtype=torch.bfloat16, kv_cache_dtype="fp8_e4m3"),
-    # fresh prompts over contiguous K/V through TMA descriptors (as on a Hopper GPU)
+    # fresh prompts over contiguous K/V through TMA descriptors (a forced tile, as on a Hopper GPU)
     "prompts_bf16_d128_tma": dict(lens=[(0, 300), (0, 70)], heads=(32, 8), head_size=128,
                                   dtype=torch.bfloat16, contiguous=True),
 }
@@ -130,7 +130,8 @@ def _compile_case(case: str) -> dict:
 
 
 def _attend_contiguous(batch, num_kv_heads: int) -> None:
-    """The launch of fresh prompts over the step's own K/V, with descriptors as on a Hopper GPU."""
+    """The launch of fresh prompts over the step's own K/V, with the TMA descriptors a tuning
+    run asks for (`--tiles ...t`), as on a Hopper GPU."""
     import pagedattn.kernels.tma as T
     from pagedattn.kernels import paged_attention
 
@@ -141,7 +142,8 @@ def _attend_contiguous(batch, num_kv_heads: int) -> None:
     starts = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32)
     paged_attention(q, kv, kv, torch.empty_like(q), query_start_loc=starts,
                     seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=None,
-                    max_query_len=max(lens), max_seq_len=max(lens), scale=0.1, kv_start_loc=starts)
+                    max_query_len=max(lens), max_seq_len=max(lens), scale=0.1, kv_start_loc=starts,
+                    tile=(64, 8, 3, None, True))
 
 
 STORE_CASES = ["store_kv_float8_e4m3fn", "store_kv_float8_e5m2"]
