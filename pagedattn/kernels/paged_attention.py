@@ -39,7 +39,7 @@ import triton.language as tl
 from ._common import (FLOAT_DTYPES, FP8_DTYPES, INTERPRET, check, check_tensor, next_pow2,
                       num_sms, scale_tensor)
 from .paged_attention_config import choose_num_splits, choose_tile, forced_tile, split_min_tiles
-from .tma import kv_descriptors
+from .pdl import launch_options, use_pdl
 from .split_kv import SplitKVWorkspace, reduce_splits
 
 
@@ -79,23 +79,21 @@ def _load_tile(ptrs, n_ok, d_ok, MASK: tl.constexpr, EVEN_D: tl.constexpr):
 @triton.jit
 def _attend_tiles(
     acc, l_i, m_i, q, j_start, j_end,
-    k_ptr, v_ptr, k_desc, v_desc, bt_row_ptr, kv_row0, kvh, qk_scale, soft_cap, slope, q_pos, window,
+    k_ptr, v_ptr, bt_row_ptr, kv_row0, kvh, qk_scale, soft_cap, slope, q_pos, window,
     key_lo, key_hi,
     stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    PAGED: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    PAGED: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Online-softmax update over key tiles [j_start, j_end) (units of BLOCK_N keys).
-    MASK: apply per-row causal/window/length masks; loads are masked to [key_lo, key_hi).
-    TMA (contiguous K/V only): unmasked tiles, which lie inside their sequence, load through
-    the descriptors; masked edge tiles keep masked loads, so no other sequence's row is read."""
+    MASK: apply per-row causal/window/length masks; loads are masked to [key_lo, key_hi)."""
     d = tl.arange(0, HEAD_PAD)
     d_ok = d < HEAD_SIZE
     kh_off = kvh.to(tl.int64) * stride_kh
     vh_off = kvh.to(tl.int64) * stride_vh
-    for j in tl.range(j_start, j_end, warp_specialize=WS):
+    for j in range(j_start, j_end):
         n = j * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = (n >= key_lo) & (n < key_hi)  # only used by MASK tiles
         if PAGED:
@@ -111,12 +109,8 @@ def _attend_tiles(
             row = kv_row0 + n.to(tl.int64)
             k_off = row * stride_ks
             v_off = row * stride_vs
-        if TMA and not MASK:
-            kv_row = (kv_row0 + j * BLOCK_N).to(tl.int32)
-            k = k_desc.load([kv_row, kvh * HEAD_SIZE])
-        else:
-            k = _load_tile(k_ptr + kh_off + k_off[:, None] + d[None, :] * stride_kd, n_ok, d_ok,
-                           MASK, HEAD_SIZE == HEAD_PAD)
+        k = _load_tile(k_ptr + kh_off + k_off[:, None] + d[None, :] * stride_kd, n_ok, d_ok,
+                       MASK, HEAD_SIZE == HEAD_PAD)
         if UPCAST:
             k = k.to(tl.float32)
         else:
@@ -146,11 +140,8 @@ def _attend_tiles(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if TMA and not MASK:
-            v = v_desc.load([kv_row, kvh * HEAD_SIZE])
-        else:
-            v = _load_tile(v_ptr + vh_off + v_off[:, None] + d[None, :] * stride_vd, n_ok, d_ok,
-                           MASK, HEAD_SIZE == HEAD_PAD)
+        v = _load_tile(v_ptr + vh_off + v_off[:, None] + d[None, :] * stride_vd, n_ok, d_ok,
+                       MASK, HEAD_SIZE == HEAD_PAD)
         if UPCAST:
             v = v.to(tl.float32)
         else:
@@ -171,7 +162,7 @@ def _attend_tiles(
 @triton.jit(do_not_specialize=["window", "num_seqs", "num_tiles", "num_splits", "split_min_tiles", "stride_bt",
                                "stride_po_s", "stride_ps_s"])
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, lse_ptr, part_out_ptr, part_stats_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_out_ptr, part_stats_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, kv_start_loc_ptr,
     alibi_slopes_ptr, k_scale_ptr, v_scale_ptr,
     sm_scale, soft_cap, window, num_seqs, num_tiles, num_splits, split_min_tiles,
@@ -188,9 +179,12 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, ONE_TILE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, FP8_KV: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
-    WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, FP8_KV: tl.constexpr, PAGED: tl.constexpr,
+    WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # launched early (pdl.py): wait for the store's writes, let the reduction launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # Axis 0 enumerates (query tile, KV head), KV heads fastest and the last query tiles -
     # the longest causal rows - first, so heavy programs start early and the tail is short.
     kvh = tl.program_id(0) % NUM_KV_HEADS
@@ -280,25 +274,25 @@ def _paged_attention_kernel(
     # masked head (window edge), unmasked middle, masked tail (causal diagonal / length)
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, s_lo, tl.minimum(j_full_lo, s_hi),
-        k_ptr, v_ptr, k_desc, v_desc, bt_row_ptr, kv_row0, kvh, qk_scale, soft_cap, slope, q_pos, window,
+        k_ptr, v_ptr, bt_row_ptr, kv_row0, kvh, qk_scale, soft_cap, slope, q_pos, window,
         key_lo, key_hi, stride_kb, stride_ks, stride_kh, stride_kd,
         stride_vb, stride_vs, stride_vh, stride_vd,
         HEAD_SIZE, HEAD_PAD, BLOCK_N, BLOCK_SIZE, True, CAUSAL, USE_WINDOW, USE_ALIBI,
-        USE_SOFTCAP, PAGED, TMA, False, UPCAST, IEEE)
+        USE_SOFTCAP, PAGED, UPCAST, IEEE)
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, tl.maximum(s_lo, j_full_lo), tl.minimum(s_hi, j_full_hi),
-        k_ptr, v_ptr, k_desc, v_desc, bt_row_ptr, kv_row0, kvh, qk_scale, soft_cap, slope, q_pos, window,
+        k_ptr, v_ptr, bt_row_ptr, kv_row0, kvh, qk_scale, soft_cap, slope, q_pos, window,
         key_lo, key_hi, stride_kb, stride_ks, stride_kh, stride_kd,
         stride_vb, stride_vs, stride_vh, stride_vd,
         HEAD_SIZE, HEAD_PAD, BLOCK_N, BLOCK_SIZE, False, CAUSAL, USE_WINDOW, USE_ALIBI,
-        USE_SOFTCAP, PAGED, TMA, WS, UPCAST, IEEE)
+        USE_SOFTCAP, PAGED, UPCAST, IEEE)
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, tl.maximum(s_lo, j_full_hi), s_hi,
-        k_ptr, v_ptr, k_desc, v_desc, bt_row_ptr, kv_row0, kvh, qk_scale, soft_cap, slope, q_pos, window,
+        k_ptr, v_ptr, bt_row_ptr, kv_row0, kvh, qk_scale, soft_cap, slope, q_pos, window,
         key_lo, key_hi, stride_kb, stride_ks, stride_kh, stride_kd,
         stride_vb, stride_vs, stride_vh, stride_vd,
         HEAD_SIZE, HEAD_PAD, BLOCK_N, BLOCK_SIZE, True, CAUSAL, USE_WINDOW, USE_ALIBI,
-        USE_SOFTCAP, PAGED, TMA, False, UPCAST, IEEE)
+        USE_SOFTCAP, PAGED, UPCAST, IEEE)
 
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -373,7 +367,7 @@ def paged_attention(
         launch is unsplit.
     kv_start_loc: [B+1] int32; sequence b's keys are rows kv_start_loc[b] + (0..seq_lens[b]-1).
     num_splits: force the split count (tests, tuning); needs a workspace when > 1.
-    tile: force (BLOCK_N keys per step, num_warps, num_stages[, BLOCK_M rows[, TMA]]) instead
+    tile: force (BLOCK_N keys per step, num_warps, num_stages[, BLOCK_M rows]) instead
         of the policy's (`paged_attention_config.choose_tile`; tuning); without BLOCK_M the
         query tile stays the policy's.
     """
@@ -443,7 +437,7 @@ def paged_attention(
     sms = num_sms(device)
     chosen = choose_tile(head_size=head_size, group=group, max_query_len=max_query_len,
                          elem_bytes=query.element_size(), interpret=INTERPRET, max_seq_len=max_seq_len,
-                         num_seqs=num_seqs, num_kv_heads=num_kv_heads, num_sms=sms)
+                         num_seqs=num_seqs, num_kv_heads=num_kv_heads, num_sms=sms, paged=paged)
     tile = chosen if tile is None else forced_tile(chosen, *tile, group=group, interpret=INTERPRET)
     limit = 1 if workspace is None else workspace.splits_for(num_tokens, num_heads, head_size)
     min_tiles = 0  # a forced count splits every sequence
@@ -475,11 +469,9 @@ def paged_attention(
     one_tile = max_query_len <= tile.block_q
     num_tiles = num_seqs if one_tile else num_tokens // tile.block_q + num_seqs  # >= what every sequence needs
     grid = (num_tiles * num_kv_heads, num_splits)
-    k_desc, v_desc = kv_descriptors(k_cache, v_cache, tile) if tile.tma and not paged else (None, None)
-    tma = k_desc is not None
+    pdl = use_pdl(device)
     _paged_attention_kernel[grid](
-        query, k_cache, v_cache, k_desc if tma else k_cache, v_desc if tma else v_cache, out, lse_arg,
-        part_out, part_stats,
+        query, k_cache, v_cache, out, lse_arg, part_out, part_stats,
         query_start_loc, seq_lens, bt_arg, kv_start_arg,
         alibi_slopes if alibi_slopes is not None else seq_lens, k_scale_t, v_scale_t,
         float(scale), float(soft_cap or 0.0), int(sliding_window or 0), num_seqs, num_tiles,
@@ -492,9 +484,9 @@ def paged_attention(
         BLOCK_SIZE=block_size, SPLIT=num_splits > 1, ONE_TILE=one_tile, SEARCH_STEPS=search_steps(num_seqs),
         CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None,
         USE_ALIBI=alibi_slopes is not None, USE_SOFTCAP=soft_cap is not None, FP8_KV=fp8,
-        PAGED=paged, TMA=tma, WS=tma and tile.ws, WRITE_LSE=lse is not None, UPCAST=INTERPRET,
-        IEEE=query.dtype == torch.float32,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        PAGED=paged, WRITE_LSE=lse is not None, UPCAST=INTERPRET,
+        IEEE=query.dtype == torch.float32, PDL=pdl,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(device),
     )
     if num_splits > 1:
         reduce_splits(workspace, num_splits, out, lse)

@@ -8,8 +8,8 @@ Two regimes, chosen by the step's largest query length:
 - decode-like (`next_pow2(max_query_len * group) <= 64` rows): one program covers a few query
   tokens times the `group` query heads sharing a KV head, padded to >= 16 rows for `tl.dot`;
   it streams the keys memory-bound, so tiles favour many loads in flight.
-- prefill-like: 128 (64 for head size 256) rows of `BLOCK_Q` tokens x `group` heads against
-  64-key tiles, the usual FlashAttention-2 shape for Hopper without wgmma-specific code.
+- prefill-like: 128 rows of `BLOCK_Q` tokens x `group` heads against 64-key tiles (128 for
+  long prompts), the usual FlashAttention-2 shape for Hopper without wgmma-specific code.
 """
 
 from __future__ import annotations
@@ -37,17 +37,19 @@ class AttentionTile:
     block_n: int       # keys per inner-loop step
     num_warps: int
     num_stages: int
-    tma: bool = False  # read contiguous K/V (`kv_start_loc`) through TMA descriptors where possible (tuning)
-    ws: bool = False   # with TMA: warp-specialise the unmasked key loop (Triton's producer/consumer split)
 
 
-# head_pad -> (block_m, block_n, num_warps, num_stages) for 16-bit queries.
+# head_pad -> (block_m, block_n, num_warps, num_stages) for 16-bit queries, fitted on the H100
+# (docs/PERF.md, "Prefill tiles"): 128 rows throughout (head size 256 ran 1.7-2.3x faster in
+# 128 rows than in 64), and 128-key tiles for long prompts, where fewer, longer key tiles win.
 _PREFILL_TILES = {
     32: (128, 64, 4, 3),
     64: (128, 64, 4, 3),
     128: (128, 64, 8, 3),
-    256: (64, 64, 8, 2),
+    256: (128, 64, 8, 2),
 }
+_LONG_PREFILL_TILES = {64: (128, 128, 4, 3), 128: (128, 128, 8, 3)}
+LONG_PREFILL_KEYS = 4096  # paged keys from here (contiguous ones, head size 128 only, from twice that)
 # head_pad -> (block_n, num_warps, num_stages) for decode-like steps.
 _DECODE_TILES = {
     32: (64, 4, 3),
@@ -74,11 +76,20 @@ def _decode_tile(key: int, block_m: int, max_seq_len: int, programs: int, num_sm
     return _MID_TILE
 
 
+def _prefill_tile(key: int, max_seq_len: int, paged: bool) -> tuple[int, int, int, int]:
+    long = _LONG_PREFILL_TILES.get(key)
+    if long is not None and max_seq_len >= LONG_PREFILL_KEYS * (1 if paged else 2) and (paged or key == 128):
+        return long
+    return _PREFILL_TILES[key]
+
+
 def choose_tile(*, head_size: int, group: int, max_query_len: int, elem_bytes: int, interpret: bool,
-                max_seq_len: int = 0, num_seqs: int = 1, num_kv_heads: int = 1, num_sms: int = 1) -> AttentionTile:
+                max_seq_len: int = 0, num_seqs: int = 1, num_kv_heads: int = 1, num_sms: int = 1,
+                paged: bool = True) -> AttentionTile:
     """The tile for one launch; `elem_bytes` is the query element size (4 shrinks tiles).
     Decode-like launches pick their key tile by `max_seq_len` (0: unknown, the fixed table) and
-    their size (`num_seqs` x `num_kv_heads` programs on `num_sms`)."""
+    their size (`num_seqs` x `num_kv_heads` programs on `num_sms`); prefill-like ones by
+    `max_seq_len` and whether the keys are paged or contiguous rows."""
     head_pad = max(16, next_pow2(head_size))
     key = min(max(head_pad, 32), 256)
     rows = next_pow2(max(1, max_query_len) * group)
@@ -86,7 +97,7 @@ def choose_tile(*, head_size: int, group: int, max_query_len: int, elem_bytes: i
         block_m = max(16, rows, next_pow2(group))
         block_n, num_warps, num_stages = _decode_tile(key, block_m, max_seq_len, num_seqs * num_kv_heads, num_sms)
     else:
-        block_m, block_n, num_warps, num_stages = _PREFILL_TILES[key]
+        block_m, block_n, num_warps, num_stages = _prefill_tile(key, max_seq_len, paged)
     block_m = max(block_m, next_pow2(group))  # at least one token's heads per program
     if elem_bytes == 4 and not interpret:
         # float32 operands double shared memory; keep the pipeline within ~160 KiB.
@@ -100,12 +111,10 @@ def choose_tile(*, head_size: int, group: int, max_query_len: int, elem_bytes: i
 
 
 def forced_tile(tile: AttentionTile, block_n: int, num_warps: int, num_stages: int,
-                block_m: int | None = None, tma: bool = False, ws: bool = False, *, group: int,
-                interpret: bool) -> AttentionTile:
-    """`tile` with a caller's (BLOCK_N, num_warps, num_stages[, BLOCK_M rows[, TMA]]) for tuning
-    runs; refused with the reason when Triton could not launch it (under the interpreter warps
-    and stages stay 1). Without `block_m` the rows stay the policy's; `tma` asks for descriptors
-    (used only where the launch can: contiguous 16-bit K/V on a Hopper GPU)."""
+                block_m: int | None = None, *, group: int, interpret: bool) -> AttentionTile:
+    """`tile` with a caller's (BLOCK_N, num_warps, num_stages[, BLOCK_M rows]) for tuning runs;
+    refused with the reason when Triton could not launch it (under the interpreter warps and
+    stages stay 1). Without `block_m` the rows stay the policy's."""
     block_m = tile.block_m if block_m is None else block_m
     for name, value, ok, expect in (
             ("block_n", block_n, _pow2_in(block_n, 16, 256), "a power of two in 16..256"),
@@ -117,8 +126,7 @@ def forced_tile(tile: AttentionTile, block_n: int, num_warps: int, num_stages: i
             raise ValueError(f"expected tile {name} {expect}, got {value}")
     if interpret:
         num_warps, num_stages = 1, 1
-    return AttentionTile(max(1, block_m // group), block_m, block_n, num_warps, num_stages, bool(tma or ws),
-                         bool(ws) and not interpret)
+    return AttentionTile(max(1, block_m // group), block_m, block_n, num_warps, num_stages)
 
 
 def _pow2_in(x: int, lo: int, hi: int) -> bool:

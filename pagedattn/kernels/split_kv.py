@@ -29,6 +29,7 @@ import triton.language as tl
 from pagedattn.intmath import cdiv
 
 from ._common import check, check_tensor, next_pow2, num_sms
+from .pdl import launch_options, use_pdl
 
 
 @dataclass(frozen=True)
@@ -107,10 +108,13 @@ def _reduce_splits_kernel(
     stride_ps_s, stride_ps_t, stride_ps_h, stride_ps_c,
     stride_o_t, stride_o_h, stride_o_d, stride_l_t, stride_l_h,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_BLOCK: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
+    WRITE_LSE: tl.constexpr, PDL: tl.constexpr,
 ):
     """One (token, head): the splits in blocks of SPLITS_BLOCK with a running max, so up to
     MAX_SPLITS partials merge without holding them all in registers."""
+    if PDL:  # launched early (pdl.py): wait for the splits' writes
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     d = tl.arange(0, HEAD_PAD)
@@ -168,5 +172,5 @@ def reduce_splits(workspace: SplitKVWorkspace, num_splits: int, out: torch.Tenso
         *out.stride(), lse_arg.stride(0), lse_arg.stride(1),
         HEAD_SIZE=head_size, HEAD_PAD=next_pow2(head_size),
         SPLITS_BLOCK=min(SPLITS_BLOCK, next_pow2(num_splits)),
-        WRITE_LSE=lse is not None, num_warps=4,
+        WRITE_LSE=lse is not None, PDL=use_pdl(out.device), num_warps=4, **launch_options(out.device),
     )

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from ._common import (FLOAT_DTYPES, FP8_DTYPES, INTERPRET, check, check_tensor, next_pow2,
                       scale_tensor)
+from .pdl import use_pdl
 
 
 @triton.jit
@@ -42,7 +43,10 @@ def _store_kv_kernel(
     NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
     FP8_MANTISSA_BITS: tl.constexpr, FP8_MIN_EXP: tl.constexpr, INTERPRETED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # the attention kernel after this one may launch now (pdl.py); it waits for our writes
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     if slot < 0:
@@ -128,6 +132,6 @@ def store_kv(
         BLOCK_SIZE=k_cache.shape[1], FP8=fp8, FP8_MAX=fp8_max,
         FP8_MANTISSA_BITS=3 if k_cache.dtype == torch.float8_e4m3fn else 2,
         FP8_MIN_EXP=-6 if k_cache.dtype == torch.float8_e4m3fn else -14,
-        INTERPRETED=INTERPRET,
+        INTERPRETED=INTERPRET, PDL=use_pdl(key.device),
         num_warps=1 if INTERPRET else 4,
     )

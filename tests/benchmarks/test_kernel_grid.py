@@ -172,20 +172,18 @@ def test_arguments_select_cases_and_providers():
     assert args.providers == ["raw", "sdpa"]
     assert len(parse_args(["--grid", "prefill,mixed"], "p").cases) == 18 + 3
     assert parse_args(["--splits", "16,1, 4,16"], "p").splits == [1, 4, 16]
-    assert parse_args(["--tiles", "64x4x3,128X8x2"], "p").tiles == [(64, 4, 3, None, False, False),
-                                                                    (128, 8, 2, None, False, False)]
-    assert parse_args(["--tiles", "128x128x8x3t,64x4x2w"], "p").tiles == [(128, 8, 3, 128, True, False),
-                                                                         (64, 4, 2, None, True, True)]
+    assert parse_args(["--tiles", "64x4x3,128X8x2"], "p").tiles == [(64, 4, 3, None), (128, 8, 2, None)]
+    assert parse_args(["--tiles", "128x128x8x3"], "p").tiles == [(128, 8, 3, 128)]
 
 
 def test_forced_tiles_name_their_rows():
-    assert [tile_label(parse_tile(t)) for t in ("64x4x3", "128x128x8x3t", "64x32x4x2", "64x4x2w")] == [
-        "n64w4s3", "m128n128w8s3t", "m64n32w4s2", "n64w4s2ws"]
+    assert [tile_label(parse_tile(t)) for t in ("64x4x3", "128x128x8x3", "64x32x4x2")] == [
+        "n64w4s3", "m128n128w8s3", "m64n32w4s2"]
 
 
 @pytest.mark.parametrize("argv", [["--backend", "nope"], ["--grid", "nope"], ["--match", "no such case"],
                                   ["--splits", "4,x"], ["--splits", "0"], ["--tiles", "64x4"],
-                                  ["--tiles", "64xfourx3"], ["--tiles", "1x2x3x4x5"], ["--tiles", "64x4x3tt"]])
+                                  ["--tiles", "64xfourx3"], ["--tiles", "1x2x3x4x5"], ["--tiles", "64x4x3t"]])
 def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         parse_args(argv, "p")

@@ -1,7 +1,7 @@
 """Paged-attention kernels and backends against FlashInfer and dense SDPA, on the same data (GPU).
 
 `pagedattn bench kernels [--grid G[,G...]] [--backend P[,P...]] [--quick] [--match TEXT]
-[--splits N[,N...]] [--tiles [M]xKxWxS[t][,...]] [--out DIR]`
+[--splits N[,N...]] [--tiles [M]xKxWxS[,...]] [--out DIR]`
 
 Per case (cases.py: decode, short (decode at an engine's short contexts), long, prefill, chunked,
 mixed, graph grids), in one process on one set of tensors (shuffled pages, bf16 queries, bf16 or
@@ -9,8 +9,8 @@ FP8 e4m3 KV), rows for:
 - every available registered backend through the contract (`impl.forward`, store included);
 - `raw`: our kernels called directly (`store_kv` + one `paged_attention` launch); with
   `--splits`, also `raw-s<N>`: the same with the split-KV count forced to N, and with `--tiles`
-  `raw-[m<M>]n<K>w<W>s<S>[t]`: with M query rows, K keys per step, W warps, S pipeline stages
-  and TMA descriptors (to tune the policies);
+  `raw-[m<M>]n<K>w<W>s<S>`: with M query rows, K keys per step, W warps and S pipeline stages
+  (to tune the policies);
 - `flashinfer-raw`: FlashInfer's wrappers called directly, with its `append_paged_kv_cache`
   (bf16) or our `store_kv` (FP8) so it stores what the contract stores; always run when
   FlashInfer imports, since it is the reference of the speed and error columns;
@@ -60,9 +60,8 @@ def parse_args(argv: list[str] | None, prog: str | None) -> argparse.Namespace:
                         help="comma list of split-KV counts: a raw-s<N> row each, our kernels "
                              "with the split count forced")
     parser.add_argument("--tiles", default="",
-                        help="comma list of [ROWSx]KEYSxWARPSxSTAGES[t] (e.g. 64x4x3,128x128x8x3t): a "
-                             "raw-[m<M>]n<K>w<W>s<S>[t] row each, our kernels with that tile (t: TMA "
-                             "descriptors for contiguous K/V)")
+                        help="comma list of [ROWSx]KEYSxWARPSxSTAGES (e.g. 64x4x3,128x128x8x3): a "
+                             "raw-[m<M>]n<K>w<W>s<S> row each, our kernels with that tile")
     parser.add_argument("--out", default="kernel_bench", type=Path,
                         help="folder for results.json/.csv/.md and roofline.png (default: kernel_bench)")
     args = parser.parse_args(argv)
@@ -86,7 +85,7 @@ def parse_args(argv: list[str] | None, prog: str | None) -> argparse.Namespace:
     for item in _names(text):
         tile = parse_tile(item)
         if tile is None:
-            parser.error(f"expected --tiles as [ROWSx]KEYSxWARPSxSTAGES[t] items (e.g. 64x4x3, 128x128x8x3t), "
+            parser.error(f"expected --tiles as [ROWSx]KEYSxWARPSxSTAGES items (e.g. 64x4x3, 128x128x8x3), "
                          f"got {item!r}")
         args.tiles.append(tile)
     args.providers = _names(args.backend) if args.backend else None
