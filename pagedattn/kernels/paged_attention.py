@@ -445,7 +445,7 @@ def paged_attention(
         num_splits = 1 if limit < 2 else choose_num_splits(
             num_seqs=num_seqs, num_kv_heads=num_kv_heads, max_query_len=max_query_len,
             max_seq_len=max_seq_len, block_q=tile.block_q, block_n=tile.block_n,
-            num_sms=sms, max_splits=limit)
+            num_sms=sms, max_splits=limit, kv_elem_bytes=k_cache.element_size())
         min_tiles = split_min_tiles(num_seqs=num_seqs, num_kv_heads=num_kv_heads, max_query_len=max_query_len,
                                     block_q=tile.block_q, num_sms=sms)
     elif num_splits > 1:

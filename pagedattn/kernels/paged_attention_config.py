@@ -26,7 +26,8 @@ from ._common import next_pow2
 PROGRAMS_PER_SM = 2
 POLICY_MAX_SPLITS = 64  # beyond this the reduction costs more than the split gains (forced counts may go higher)
 MIN_TILES_TO_SPLIT = 5  # at most 4 key tiles (256 keys at BLOCK_N 64): never worth a reduction
-# Launches of 3 to 6 programs per SM (e.g. B=64 x 8 KV heads) ran 4-17% faster in two splits.
+# Launches of 3 to 6 programs per SM (e.g. B=64 x 8 KV heads) ran 4-17% faster in two splits
+# over a 16-bit cache; over FP8 (half the bytes a tile) one split was 5% faster (B=64 L=4k).
 DOUBLE_BAND = (3, 6)
 
 
@@ -135,13 +136,14 @@ def _pow2_in(x: int, lo: int, hi: int) -> bool:
 
 def choose_num_splits(*, num_seqs: int, num_kv_heads: int, max_query_len: int,
                       max_seq_len: int, block_q: int, block_n: int, num_sms: int,
-                      max_splits: int) -> int:
+                      max_splits: int, kv_elem_bytes: int = 2) -> int:
     """FlashDecoding split count for a launch of `num_seqs x query tiles x num_kv_heads` programs.
 
     No split when the longest sequence has fewer key tiles than `split_min_tiles`. With fewer
     programs than target = PROGRAMS_PER_SM x SMs: the largest power of two <= target // programs,
     at most POLICY_MAX_SPLITS, the key tiles and `max_splits` (the workspace's room). Between
-    DOUBLE_BAND programs per SM, one query tile per sequence: 2. Otherwise 1. On an H100 (132
+    DOUBLE_BAND programs per SM, one query tile per sequence and a 16-bit cache
+    (`kv_elem_bytes`): 2. Otherwise 1. On an H100 (132
     SMs) with 64-key tiles: 32/8/128 B=1 -> 32 splits (16 at 1k keys: one tile each), B=16 -> 2,
     B=64 -> 2, B=256 -> 1; 8/1/128 B=1 -> 64, B=16 -> 16, B=64 -> 4, B=256 -> 1.
     """
@@ -157,7 +159,7 @@ def choose_num_splits(*, num_seqs: int, num_kv_heads: int, max_query_len: int,
     low, high = DOUBLE_BAND
     decode_like = max_query_len <= block_q  # one query tile per sequence
     banded = low * num_sms <= programs < high * num_sms
-    return 2 if decode_like and banded else 1
+    return 2 if decode_like and banded and kv_elem_bytes >= 2 else 1
 
 
 def split_min_tiles(*, num_seqs: int, num_kv_heads: int, max_query_len: int, block_q: int, num_sms: int) -> int:
