@@ -100,7 +100,10 @@ def test_fp8_logits_stay_close_to_full_precision(tiny, device, backend, backend_
         return (fp8 - full).norm(dim=-1) / full.norm(dim=-1)  # [steps]
 
     error = fp8_error()
-    assert 0 < float(error.min()) and float(error.max()) < 0.3, error.tolist()
+    # Step 0 is the prompt's prefill: a backend may attend a fresh prompt over the step's own
+    # K/V (as the seeds' FlashAttention prefill does), exactly as in full precision. Every
+    # decode step reads the FP8 cache, so it must move.
+    assert 0 < float(error[1:].min()) and float(error.max()) < 0.3, error.tolist()
     saturated = fp8_error(1e-3)  # |K|, |V| up to ~7 stored as up to 7000: clamped at 448
     assert float(saturated.max()) > 0.3, saturated.tolist()
 
