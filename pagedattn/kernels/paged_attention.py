@@ -53,8 +53,9 @@ def _tanh(x):
 def _fp16_operand(q):
     """bf16 `q` as an fp16 operand for FP8 keys and values, which convert to fp16 natively.
     Scaled by 2^e so that its largest magnitude lands in [2^15, 2^16): every bf16 value scales
-    exactly, the largest stay below fp16's 65504 and the smallest lose only what is 2^-26 below
-    them. Returns (q * 2^e in fp16, 2^-e), e built from exponent bits (no rounding anywhere)."""
+    exactly, nothing reaches fp16's 65504, and only elements under 2^-29 of the largest become
+    fp16 subnormals (absolute error at most 2^-40 of the largest). Returns (q * 2^e in fp16,
+    2^-e), e built from exponent bits (no rounding anywhere)."""
     qf = q.to(tl.float32)
     m = tl.max(tl.max(tl.abs(qf), 1), 0)
     e = 15 - (((m.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127)  # 15 - floor(log2 m)
