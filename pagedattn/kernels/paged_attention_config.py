@@ -50,7 +50,11 @@ _PREFILL_TILES = {
     256: (128, 64, 8, 2),
 }
 _LONG_PREFILL_TILES = {64: (128, 128, 4, 3), 128: (128, 128, 8, 3)}
-LONG_PREFILL_KEYS = 4096  # paged keys from here (contiguous ones, head size 128 only, from twice that)
+LONG_PREFILL_KEYS = 4096
+# (head_pad, paged) -> the longest sequence from which the long tile wins (contiguous keys at
+# head size 64 ran 13% slower in it even at 16k, so that pair has none)
+_LONG_PREFILL_FROM = {(64, True): LONG_PREFILL_KEYS, (128, True): LONG_PREFILL_KEYS,
+                      (128, False): 2 * LONG_PREFILL_KEYS}
 # head_pad -> (block_n, num_warps, num_stages) for decode-like steps.
 _DECODE_TILES = {
     32: (64, 4, 3),
@@ -78,10 +82,8 @@ def _decode_tile(key: int, block_m: int, max_seq_len: int, programs: int, num_sm
 
 
 def _prefill_tile(key: int, max_seq_len: int, paged: bool) -> tuple[int, int, int, int]:
-    long = _LONG_PREFILL_TILES.get(key)
-    if long is not None and max_seq_len >= LONG_PREFILL_KEYS * (1 if paged else 2) and (paged or key == 128):
-        return long
-    return _PREFILL_TILES[key]
+    start = _LONG_PREFILL_FROM.get((key, paged))
+    return _LONG_PREFILL_TILES[key] if start is not None and max_seq_len >= start else _PREFILL_TILES[key]
 
 
 def choose_tile(*, head_size: int, group: int, max_query_len: int, elem_bytes: int, interpret: bool,
