@@ -1,8 +1,8 @@
 """The `triton` backend: our Triton kernels (pagedattn.kernels) behind the contract.
 
 Every part of a DECODER step (prefills over cached prefixes and decodes) goes through ONE
-launch of the paged-attention kernel; a step of fresh prompts only reads its keys from the
-step's own rows (contiguous) instead of the cache. Encoder, encoder-only and cross attention
+launch of the paged-attention kernel, the decodes in a decode-shaped tile of their own; a step
+of fresh prompts only reads its keys from the step's own rows (contiguous) instead of the cache. Encoder, encoder-only and cross attention
 use the same kernel, non-causal, over contiguous K/V or the cross-attention blocks. Nothing in
 `forward` synchronises with the host or plans: launch parameters come from the metadata's host ints,
 the split-KV scratch is allocated once per (device, heads, head size), and FP8 scales come from the
@@ -19,7 +19,7 @@ import torch
 
 from pagedattn.attention.backend import AttentionBackend, Capabilities
 from pagedattn.attention.builder import MetadataBuilder
-from pagedattn.attention.impl import AttendCall, AttentionImpl
+from pagedattn.attention.impl import AttendCall, AttentionImpl, Source
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.state import AttentionState
 
@@ -100,6 +100,10 @@ class TritonImpl(AttentionImpl):
         from pagedattn.kernels import paged_attention, shared_workspace
 
         k, v, tables, kv_start_loc = call.k, call.v, call.block_tables, call.kv_start_loc
+        # A step's decodes follow its prefills (builder.py), one query each: the launch gives them
+        # a decode tile of their own. Step-row calls (encoders, profiling) number other sequences.
+        md = call.md
+        num_decodes = 0 if call.source is Source.STEP else md.num_seqs - md.num_prefills
         if call.keys_are_step_rows:  # contiguous reads, no block table (H100, 4x4k: 417 vs 288 TFLOP/s)
             k, v, tables, kv_start_loc = call.step_k, call.step_v, None, call.query_start_loc
         paged_attention(
@@ -109,6 +113,6 @@ class TritonImpl(AttentionImpl):
             sliding_window=self.sliding_window, alibi_slopes=self.alibi_slopes_on(q.device),
             soft_cap=self.logits_soft_cap, k_scale=scales.k if scales else 1.0, v_scale=scales.v if scales else 1.0,
             workspace=shared_workspace(q.device, self.num_heads, self.num_kv_heads, self.head_size),
-            kv_start_loc=kv_start_loc,
+            kv_start_loc=kv_start_loc, num_decodes=num_decodes,
         )
 

@@ -7,12 +7,21 @@ soft cap c: s = c * tanh(s / c); ALiBi: s += slope_h * (key_pos - p); causal: ke
 sliding window W: keys > p - W; non-causal: all keys < seq_len_b. Softmax in float32.
 
 Algorithm (FlashAttention-2 with GQA packing and FlashDecoding splits):
-- Grid (query tiles x KV heads, splits). Sequence b owns query tiles
+- Grid (query tiles x KV heads, splits), KV heads fastest. Sequence b owns query tiles
   `query_start_loc[b] // BLOCK_Q + b ...`; this start is strictly increasing in b, covers
   ceil(query_len_b / BLOCK_Q) tiles and bounds the grid by T // BLOCK_Q + B, so a program
   finds its sequence with a fixed-length binary search and surplus tiles return at once.
   When `max_query_len` <= BLOCK_Q (decode, short multi-token decode) every sequence has one
   tile: the grid has B tiles and tile b is sequence b, no search (8 dependent loads a program).
+- Mixed launches (a prefill-tiled step whose last `num_decodes` sequences are decodes): the
+  per-program work is one jitted body with constexpr tile shapes, instantiated twice. Prefill
+  sequences keep the search over their tiles; each decode gets one program of a decode tile
+  (16 rows for GQA <= 16, its own key tile and pipeline depth, the launch's warps) instead of a
+  128-row tile it would fill 4 rows of. Grid slots are the prefill tiles (longest first) and the
+  decodes: the first `mix_lead` slots are tiles, the rest interleave tiles and decodes evenly, so
+  the decodes' memory-bound streaming runs beside the prefill's matmuls (`MIXED_PREFILL_LEAD`);
+  decode programs read their keys (once) with an L2 evict-first hint, sparing the prefill's
+  keys, which each of its query tiles reads again.
 - GQA packing: the program's tile holds BLOCK_Q query tokens times the GROUP = Hq / Hkv query
   heads that share its KV head (row r = token r // GROUP, head r % GROUP), so every key/value
   tile is loaded once and goes through one `tl.dot` for all of them.
@@ -28,6 +37,7 @@ Algorithm (FlashAttention-2 with GQA packing and FlashDecoding splits):
 - Split-KV: with num_splits > 1 each split takes a contiguous share of the key tiles and writes
   (normalised output, LSE) to the caller's `SplitKVWorkspace`; `reduce_splits` merges them.
   The count is a runtime argument: one compiled variant serves every count (1 to 128).
+The per-program body lives in attention_program.py.
 """
 
 from __future__ import annotations
@@ -38,135 +48,26 @@ import triton.language as tl
 
 from ._common import (FLOAT_DTYPES, FP8_DTYPES, INTERPRET, check, check_tensor, next_pow2,
                       num_sms, scale_tensor)
-from .paged_attention_config import choose_num_splits, choose_tile, forced_tile, split_min_tiles
+from .attention_program import _attend_program
+from .paged_attention_config import (choose_mixed_decode_tile, choose_num_splits, choose_tile, forced_tile,
+                                     mixed_lead, split_min_tiles)
 from .pdl import launch_options, use_pdl
 from .split_kv import SplitKVWorkspace, reduce_splits
 
 
-@triton.jit
-def _tanh(x):
-    # 1 - 2 / (e^{2x} + 1): saturates cleanly to +-1 (exp overflow gives inf -> 1).
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
-
-
-@triton.jit
-def _fp16_operand(q):
-    """bf16 `q` as an fp16 operand for FP8 keys and values, which convert to fp16 natively.
-    Scaled by 2^e so that its largest magnitude lands in [2^15, 2^16): every bf16 value scales
-    exactly, nothing reaches fp16's 65504, and only elements under 2^-29 of the largest become
-    fp16 subnormals (absolute error at most 2^-40 of the largest). Returns (q * 2^e in fp16,
-    2^-e), e built from exponent bits (no rounding anywhere)."""
-    qf = q.to(tl.float32)
-    m = tl.max(tl.max(tl.abs(qf), 1), 0)
-    e = 15 - (((m.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127)  # 15 - floor(log2 m)
-    e = tl.minimum(tl.maximum(e, -126), 126)  # m = 0 or subnormal: 2^126, q stays 0 or tiny
-    up = ((e + 127) << 23).to(tl.float32, bitcast=True)
-    down = ((127 - e) << 23).to(tl.float32, bitcast=True)
-    return (qf * up).to(tl.float16), down
-
-
-@triton.jit
-def _load_tile(ptrs, n_ok, d_ok, MASK: tl.constexpr, EVEN_D: tl.constexpr):
-    """[BLOCK_N, HEAD_PAD] key/value tile; unmasked interior tiles of full heads load plainly."""
-    if MASK:
-        x = tl.load(ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-    elif EVEN_D:
-        x = tl.load(ptrs)
-    else:
-        x = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
-    return x
-
-
-@triton.jit
-def _attend_tiles(
-    acc, l_i, m_i, q, j_start, j_end,
-    k_ptr, v_ptr, bt_row_ptr, kv_row0, kvh, qk_scale, soft_cap, slope, q_pos, window,
-    key_lo, key_hi,
-    stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    PAGED: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-):
-    """Online-softmax update over key tiles [j_start, j_end) (units of BLOCK_N keys).
-    MASK: apply per-row causal/window/length masks; loads are masked to [key_lo, key_hi)."""
-    d = tl.arange(0, HEAD_PAD)
-    d_ok = d < HEAD_SIZE
-    kh_off = kvh.to(tl.int64) * stride_kh
-    vh_off = kvh.to(tl.int64) * stride_vh
-    for j in range(j_start, j_end):
-        n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = (n >= key_lo) & (n < key_hi)  # only used by MASK tiles
-        if PAGED:
-            if MASK:
-                block = tl.load(bt_row_ptr + n // BLOCK_SIZE, mask=n_ok, other=0)
-            else:
-                block = tl.load(bt_row_ptr + n // BLOCK_SIZE)
-            block = block.to(tl.int64)
-            within = (n % BLOCK_SIZE).to(tl.int64)
-            k_off = block * stride_kb + within * stride_ks
-            v_off = block * stride_vb + within * stride_vs
-        else:
-            row = kv_row0 + n.to(tl.int64)
-            k_off = row * stride_ks
-            v_off = row * stride_vs
-        k = _load_tile(k_ptr + kh_off + k_off[:, None] + d[None, :] * stride_kd, n_ok, d_ok,
-                       MASK, HEAD_SIZE == HEAD_PAD)
-        if UPCAST:
-            k = k.to(tl.float32)
-        else:
-            k = k.to(q.dtype)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        if USE_SOFTCAP:
-            s = soft_cap * _tanh(s * qk_scale / soft_cap) * 1.4426950408889634
-        else:
-            s = s * (qk_scale * 1.4426950408889634)
-        if USE_ALIBI:
-            s += slope[:, None] * (n[None, :] - q_pos[:, None]).to(tl.float32)
-        if MASK:
-            if CAUSAL:
-                keep = n[None, :] <= q_pos[:, None]
-            else:
-                # every row sees every key, whatever its position (a row may sit before the
-                # first key when a sequence has more queries than keys: cross attention)
-                keep = (n < key_hi)[None, :]
-            if USE_WINDOW:
-                keep = keep & (n[None, :] > q_pos[:, None] - window)
-            s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(v_ptr + vh_off + v_off[:, None] + d[None, :] * stride_vd, n_ok, d_ok,
-                       MASK, HEAD_SIZE == HEAD_PAD)
-        if UPCAST:
-            v = v.to(tl.float32)
-        else:
-            v = v.to(q.dtype)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    return acc, l_i, m_i
-
-
 # Integer arguments that change from step to step are not specialised on (Triton compiles a
 # variant per value class: == 1, divisible by 16, other): a server's steps would otherwise meet
-# new classes mid-run and stall for a compilation each (seconds on an H100). Besides the counts:
-# the block table's row stride (its width) and the split scratch's outer strides (an unsplit
-# launch passes `num_seqs` there). The builder aligns its views, so pointers keep one class too.
-@triton.jit(do_not_specialize=["window", "num_seqs", "num_tiles", "num_splits", "split_min_tiles", "stride_bt",
-                               "stride_po_s", "stride_ps_s"])
+# new classes mid-run and stall for a compilation each (seconds on an H100). Besides the counts
+# (sequences, tiles, decodes and where they start in a mixed launch, splits): the block table's
+# row stride (its width) and the split scratch's outer strides (an unsplit launch passes
+# `num_seqs` there). The builder aligns its views, so pointers keep one class too.
+@triton.jit(do_not_specialize=["window", "num_seqs", "num_tiles", "num_decodes", "mix_lead", "num_splits",
+                               "split_min_tiles", "stride_bt", "stride_po_s", "stride_ps_s"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_out_ptr, part_stats_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, kv_start_loc_ptr,
     alibi_slopes_ptr, k_scale_ptr, v_scale_ptr,
-    sm_scale, soft_cap, window, num_seqs, num_tiles, num_splits, split_min_tiles,
+    sm_scale, soft_cap, window, num_seqs, num_tiles, num_decodes, mix_lead, num_splits, split_min_tiles,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -177,142 +78,86 @@ def _paged_attention_kernel(
     stride_bt,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, GROUP: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, MIXED: tl.constexpr,
+    DEC_BLOCK_Q: tl.constexpr, DEC_BLOCK_M: tl.constexpr, DEC_BLOCK_N: tl.constexpr,
+    DEC_STAGES: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, ONE_TILE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, FP8_KV: tl.constexpr, PAGED: tl.constexpr,
     WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
+    """`num_seqs` and `num_tiles` count the sequences and query tiles of the BLOCK_Q tile; a
+    MIXED launch adds `num_decodes` sequences after them, one DEC_BLOCK_Q tile each."""
     if PDL:  # launched early (pdl.py): wait for the store's writes, let the reduction launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    # Axis 0 enumerates (query tile, KV head), KV heads fastest and the last query tiles -
+    # Axis 0 enumerates (slot, KV head), KV heads fastest. Slots are query tiles, the last ones -
     # the longest causal rows - first, so heavy programs start early and the tail is short.
     kvh = tl.program_id(0) % NUM_KV_HEADS
-    pid = num_tiles - 1 - tl.program_id(0) // NUM_KV_HEADS
+    slot = tl.program_id(0) // NUM_KV_HEADS
     split = tl.program_id(1)
+    pid = num_tiles - 1 - slot
+    if MIXED:
+        # Slots [0, mix_lead) are query tiles; the rest interleave the remaining tiles and the
+        # decodes evenly: slot mix_lead + u holds a decode iff the count
+        # floor((u + 1) * num_decodes / mixed_slots) steps there.
+        mixed_slots = num_tiles - mix_lead + num_decodes
+        u = tl.maximum(slot - mix_lead, 0).to(tl.int64)
+        decodes_upto = (u + 1) * num_decodes // mixed_slots  # decodes in mixed slots 0..u
+        decodes_before = u * num_decodes // mixed_slots
+        in_mix = slot >= mix_lead
+        is_decode = in_mix & (decodes_upto > decodes_before)
+        pid = num_tiles - 1 - (slot - tl.where(in_mix, decodes_upto, 0)).to(tl.int32)
 
-    if ONE_TILE:  # every sequence's queries fit one tile: tile pid is sequence pid
-        b = pid
+    if MIXED and is_decode:  # (constexpr False unless MIXED: one body compiled)
+        # decode number `decodes_before`: one query tile of the decode shape
+        b = num_seqs + decodes_before.to(tl.int32)
         q_begin = tl.load(query_start_loc_ptr + b)
         q_len = tl.load(query_start_loc_ptr + b + 1) - q_begin
-        q0 = pid * 0
+        _attend_program(
+            b, q_begin, q_len, b * 0, kvh, split,
+            q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_out_ptr, part_stats_ptr,
+            seq_lens_ptr, block_tables_ptr, kv_start_loc_ptr, alibi_slopes_ptr, k_scale_ptr, v_scale_ptr,
+            sm_scale, soft_cap, window, num_splits, split_min_tiles,
+            stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
+            stride_vb, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+            stride_lt, stride_lh, stride_po_s, stride_po_t, stride_po_h, stride_po_d,
+            stride_ps_s, stride_ps_t, stride_ps_h, stride_ps_c, stride_bt,
+            HEAD_SIZE, HEAD_PAD, GROUP, DEC_BLOCK_Q, DEC_BLOCK_M, DEC_BLOCK_N,
+            DEC_STAGES, "evict_first",  # streamed once: keep the prefill's keys in L2 instead
+            BLOCK_SIZE, SPLIT, CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, FP8_KV, PAGED,
+            WRITE_LSE, UPCAST, IEEE)
     else:
-        # Largest b with query_start_loc[b] // BLOCK_Q + b <= pid (strictly increasing in b).
-        lo = pid * 0
-        hi = lo + num_seqs
-        for _ in tl.static_range(SEARCH_STEPS):
-            mid = (lo + hi) // 2
-            go_right = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= pid
-            lo = tl.where(go_right, mid, lo)
-            hi = tl.where(go_right, hi, mid)
-        b = lo
-        q_begin = tl.load(query_start_loc_ptr + b)
-        q_len = tl.load(query_start_loc_ptr + b + 1) - q_begin
-        q0 = (pid - (q_begin // BLOCK_Q + b)) * BLOCK_Q
-    if q0 >= q_len:
-        return
-    seq_len = tl.load(seq_lens_ptr + b)
-
-    r = tl.arange(0, BLOCK_M)
-    q_idx = q0 + r // GROUP
-    head = kvh * GROUP + r % GROUP
-    row_ok = (r < BLOCK_Q * GROUP) & (q_idx < q_len)
-    q_pos = tl.where(row_ok, seq_len - q_len + q_idx, -1)  # absolute position; -1: padding row
-    tok = (q_begin + q_idx).to(tl.int64)
-    head64 = head.to(tl.int64)
-    d = tl.arange(0, HEAD_PAD)
-    d_ok = d < HEAD_SIZE
-    io_mask = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + head64[:, None] * stride_qh
-                + d[None, :] * stride_qd, mask=io_mask, other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-
-    qk_scale = sm_scale
-    if FP8_KV:
-        qk_scale = qk_scale * tl.load(k_scale_ptr)
-        if not UPCAST:
-            if q.dtype == tl.bfloat16:  # fp8 -> fp16 is native (cvt.rn.f16x2.e4m3x2), -> bf16 is not
-                q, q_unscale = _fp16_operand(q)
-                qk_scale = qk_scale * q_unscale
-    slope = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if USE_ALIBI:
-        slope = tl.load(alibi_slopes_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
-
-    # Key range of this query tile, then its unmasked middle, in units of BLOCK_N keys.
-    p_first = seq_len - q_len + q0
-    p_last = seq_len - q_len + tl.minimum(q0 + BLOCK_Q, q_len) - 1
-    if CAUSAL:
-        key_hi = p_last + 1
-        full_hi = p_first + 1
-    else:
-        key_hi = seq_len
-        full_hi = seq_len
-    key_lo = p_first * 0
-    full_lo = key_lo
-    if USE_WINDOW:
-        key_lo = tl.maximum(p_first - window + 1, 0)
-        full_lo = tl.maximum(p_last - window + 1, 0)
-    j_lo = key_lo // BLOCK_N
-    j_hi = tl.cdiv(key_hi, BLOCK_N)
-    j_full_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N), j_lo), j_hi)
-    j_full_hi = tl.minimum(tl.maximum(full_hi // BLOCK_N, j_full_lo), j_hi)
-    per_split = tl.cdiv(j_hi - j_lo, num_splits)
-    if tl.cdiv(seq_len, BLOCK_N) < split_min_tiles:  # too short to split: split 0 takes every tile
-        per_split = j_hi - j_lo
-    s_lo = tl.minimum(j_lo + split * per_split, j_hi)
-    s_hi = tl.minimum(s_lo + per_split, j_hi)
-
-    bt_row_ptr = block_tables_ptr + b.to(tl.int64) * stride_bt
-    kv_row0 = b.to(tl.int64) * 0
-    if not PAGED:
-        kv_row0 = tl.load(kv_start_loc_ptr + b).to(tl.int64)
-
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    # masked head (window edge), unmasked middle, masked tail (causal diagonal / length)
-    acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, s_lo, tl.minimum(j_full_lo, s_hi),
-        k_ptr, v_ptr, bt_row_ptr, kv_row0, kvh, qk_scale, soft_cap, slope, q_pos, window,
-        key_lo, key_hi, stride_kb, stride_ks, stride_kh, stride_kd,
-        stride_vb, stride_vs, stride_vh, stride_vd,
-        HEAD_SIZE, HEAD_PAD, BLOCK_N, BLOCK_SIZE, True, CAUSAL, USE_WINDOW, USE_ALIBI,
-        USE_SOFTCAP, PAGED, UPCAST, IEEE)
-    acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, tl.maximum(s_lo, j_full_lo), tl.minimum(s_hi, j_full_hi),
-        k_ptr, v_ptr, bt_row_ptr, kv_row0, kvh, qk_scale, soft_cap, slope, q_pos, window,
-        key_lo, key_hi, stride_kb, stride_ks, stride_kh, stride_kd,
-        stride_vb, stride_vs, stride_vh, stride_vd,
-        HEAD_SIZE, HEAD_PAD, BLOCK_N, BLOCK_SIZE, False, CAUSAL, USE_WINDOW, USE_ALIBI,
-        USE_SOFTCAP, PAGED, UPCAST, IEEE)
-    acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, tl.maximum(s_lo, j_full_hi), s_hi,
-        k_ptr, v_ptr, bt_row_ptr, kv_row0, kvh, qk_scale, soft_cap, slope, q_pos, window,
-        key_lo, key_hi, stride_kb, stride_ks, stride_kh, stride_kd,
-        stride_vb, stride_vs, stride_vh, stride_vd,
-        HEAD_SIZE, HEAD_PAD, BLOCK_N, BLOCK_SIZE, True, CAUSAL, USE_WINDOW, USE_ALIBI,
-        USE_SOFTCAP, PAGED, UPCAST, IEEE)
-
-    empty = l_i == 0.0
-    o = acc / tl.where(empty, 1.0, l_i)[:, None]
-    if FP8_KV:
-        o = o * tl.load(v_scale_ptr)
-    if not SPLIT:
-        tl.store(out_ptr + tok[:, None] * stride_ot + head64[:, None] * stride_oh
-                 + d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty), mask=io_mask)
-        if WRITE_LSE:  # natural-log LSE of the scaled scores (m_i, l_i are base 2)
-            lse = tl.where(empty, float("-inf"),
-                           (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-            tl.store(lse_ptr + tok * stride_lt + head64 * stride_lh, lse, mask=row_ok)
-    else:  # the online-softmax state (m, l) as it is: the reduction merges it (split_kv.py)
-        split64 = split.to(tl.int64)
-        tl.store(part_out_ptr + split64 * stride_po_s + tok[:, None] * stride_po_t
-                 + head64[:, None] * stride_po_h + d[None, :] * stride_po_d, o, mask=io_mask)
-        stats = part_stats_ptr + split64 * stride_ps_s + tok * stride_ps_t + head64 * stride_ps_h
-        tl.store(stats, m_i, mask=row_ok)
-        tl.store(stats + stride_ps_c, l_i, mask=row_ok)
+        if ONE_TILE:  # every sequence's queries fit one tile: tile pid is sequence pid
+            b = pid
+            q_begin = tl.load(query_start_loc_ptr + b)
+            q_len = tl.load(query_start_loc_ptr + b + 1) - q_begin
+            q0 = pid * 0
+        else:
+            # Largest b with query_start_loc[b] // BLOCK_Q + b <= pid (strictly increasing in b).
+            lo = pid * 0
+            hi = lo + num_seqs
+            for _ in tl.static_range(SEARCH_STEPS):
+                mid = (lo + hi) // 2
+                go_right = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= pid
+                lo = tl.where(go_right, mid, lo)
+                hi = tl.where(go_right, hi, mid)
+            b = lo
+            q_begin = tl.load(query_start_loc_ptr + b)
+            q_len = tl.load(query_start_loc_ptr + b + 1) - q_begin
+            q0 = (pid - (q_begin // BLOCK_Q + b)) * BLOCK_Q
+        _attend_program(
+            b, q_begin, q_len, q0, kvh, split,
+            q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_out_ptr, part_stats_ptr,
+            seq_lens_ptr, block_tables_ptr, kv_start_loc_ptr, alibi_slopes_ptr, k_scale_ptr, v_scale_ptr,
+            sm_scale, soft_cap, window, num_splits, split_min_tiles,
+            stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
+            stride_vb, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+            stride_lt, stride_lh, stride_po_s, stride_po_t, stride_po_h, stride_po_d,
+            stride_ps_s, stride_ps_t, stride_ps_h, stride_ps_c, stride_bt,
+            HEAD_SIZE, HEAD_PAD, GROUP, BLOCK_Q, BLOCK_M, BLOCK_N, None, "",
+            BLOCK_SIZE, SPLIT, CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, FP8_KV, PAGED,
+            WRITE_LSE, UPCAST, IEEE)
 
 
 def search_steps(num_seqs: int) -> int:
@@ -345,6 +190,9 @@ def paged_attention(
     kv_start_loc: torch.Tensor | None = None,
     num_splits: int | None = None,
     tile: tuple[int, int, int] | None = None,
+    num_decodes: int = 0,
+    max_decode_query_len: int = 1,
+    decode_tile: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Attention of `query` over the paged cache, written into `out` (returned).
 
@@ -371,6 +219,14 @@ def paged_attention(
     tile: force (BLOCK_N keys per step, num_warps, num_stages[, BLOCK_M rows]) instead
         of the policy's (`paged_attention_config.choose_tile`; tuning); without BLOCK_M the
         query tile stays the policy's.
+    num_decodes: how many of the last sequences are decodes, each with at most
+        `max_decode_query_len` query tokens (a bound the launch relies on, as on max_query_len;
+        a mixed step's decodes follow its prefills: the metadata's `num_seqs - num_prefills`).
+        When the launch's tile is prefill-shaped and the decodes fit a smaller one, they get
+        programs of that decode tile (`choose_mixed_decode_tile`) in the same launch; the
+        result is the same either way. 0: every sequence takes the launch's tile.
+    decode_tile: force (BLOCK_N, num_stages[, BLOCK_M rows]) of those decode programs (tuning);
+        only for a launch that gives its decodes their own tile (warps are the launch's).
     """
     check_tensor(query, "query", ndim=3, dtypes=FLOAT_DTYPES)
     device = query.device
@@ -431,6 +287,8 @@ def paged_attention(
                     ("kv_start_loc", kv_start_loc), ("alibi_slopes", alibi_slopes)):
         if t is not None:
             check(t.stride(0) == 1 or t.shape[0] <= 1, f"{name}.stride(0)", 1, t.stride(0))
+    check(0 <= num_decodes <= num_seqs, "num_decodes", f"0..{num_seqs} (the sequences)", num_decodes)
+    check(max_decode_query_len >= 1, "max_decode_query_len", ">= 1", max_decode_query_len)
     if num_tokens == 0 or num_seqs == 0:
         return out
 
@@ -465,23 +323,46 @@ def paged_attention(
         part_out, part_stats = out.unsqueeze(0), seq_lens.view(1, -1, 1, 1)  # never written
     lse_arg = lse if lse is not None else seq_lens.view(-1, 1)  # never written without lse
 
-    # Decode-like launches (every sequence's queries within one tile, as `max_query_len` bounds
-    # them) map tile b to sequence b; otherwise tiles are numbered as the kernel's search expects.
-    one_tile = max_query_len <= tile.block_q
-    num_tiles = num_seqs if one_tile else num_tokens // tile.block_q + num_seqs  # >= what every sequence needs
-    grid = (num_tiles * num_kv_heads, num_splits)
+    dec = None
+    if 0 < num_decodes < num_seqs:
+        dec = choose_mixed_decode_tile(tile, head_size=head_size, group=group,
+                                       max_decode_query_len=max_decode_query_len,
+                                       elem_bytes=query.element_size(), interpret=INTERPRET)
+    if decode_tile is not None:
+        check(len(decode_tile) in (2, 3), "decode_tile", "(BLOCK_N, num_stages[, BLOCK_M])", decode_tile)
+        check(dec is not None, "decode_tile", "a launch whose decodes get their own tile (num_decodes "
+              "sequences after prefill-tiled ones, within a decode tile's rows)",
+              f"num_decodes={num_decodes} of {num_seqs} sequences, max_query_len={max_query_len}, "
+              f"max_decode_query_len={max_decode_query_len}, the launch's tile {tile}")
+        dec = forced_tile(dec, decode_tile[0], tile.num_warps, *decode_tile[1:], group=group,
+                          interpret=INTERPRET)
+        check(dec.block_q >= max_decode_query_len, "decode_tile rows",
+              f">= {max_decode_query_len * group} (max_decode_query_len x {group} heads)", dec.block_m)
+    mixed = dec is not None
+    # Launches whose every sequence's queries fit one tile (as `max_query_len` bounds them) map
+    # tile b to sequence b; otherwise tiles are numbered as the kernel's search expects, over the
+    # sequences before the decodes in a mixed launch (which always searches: one compiled variant
+    # whatever its prefills' lengths).
+    one_tile = max_query_len <= tile.block_q and not mixed
+    num_heavy = num_seqs - num_decodes if mixed else num_seqs
+    num_tiles = num_seqs if one_tile else num_tokens // tile.block_q + num_heavy  # >= what every sequence needs
+    num_mixed = num_decodes if mixed else 0
+    grid = ((num_tiles + num_mixed) * num_kv_heads, num_splits)
+    dec = dec or tile  # not mixed: the decode body is not compiled, its constexprs follow the tile
     pdl = use_pdl(device)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, lse_arg, part_out, part_stats,
         query_start_loc, seq_lens, bt_arg, kv_start_arg,
         alibi_slopes if alibi_slopes is not None else seq_lens, k_scale_t, v_scale_t,
-        float(scale), float(soft_cap or 0.0), int(sliding_window or 0), num_seqs, num_tiles,
-        num_splits, min_tiles,
+        float(scale), float(soft_cap or 0.0), int(sliding_window or 0), num_heavy, num_tiles,
+        num_mixed, mixed_lead(num_tiles) if mixed else 0, num_splits, min_tiles,
         *query.stride(), *kv_strides, *out.stride(), lse_arg.stride(0), lse_arg.stride(1),
         *part_out.stride(), *part_stats.stride(), bt_stride,
         HEAD_SIZE=head_size, HEAD_PAD=max(16, next_pow2(head_size)), GROUP=group,
         NUM_KV_HEADS=num_kv_heads,
-        BLOCK_Q=tile.block_q, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        BLOCK_Q=tile.block_q, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, MIXED=mixed,
+        DEC_BLOCK_Q=dec.block_q, DEC_BLOCK_M=dec.block_m, DEC_BLOCK_N=dec.block_n,
+        DEC_STAGES=dec.num_stages,
         BLOCK_SIZE=block_size, SPLIT=num_splits > 1, ONE_TILE=one_tile, SEARCH_STEPS=search_steps(num_seqs),
         CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None,
         USE_ALIBI=alibi_slopes is not None, USE_SOFTCAP=soft_cap is not None, FP8_KV=fp8,

@@ -5,11 +5,13 @@ query length, batch size, KV heads, SM count), so a launch planned at CUDA-graph
 launch replayed later; correctness never depends on the choice, only speed.
 
 Two regimes, chosen by the step's largest query length:
-- decode-like (`next_pow2(max_query_len * group) <= 64` rows): one program covers a few query
-  tokens times the `group` query heads sharing a KV head, padded to >= 16 rows for `tl.dot`;
-  it streams the keys memory-bound, so tiles favour many loads in flight.
+- decode-like (`next_pow2(max_query_len * group) <= DECODE_ROWS` rows): one program covers a few
+  query tokens times the `group` query heads sharing a KV head, padded to >= 16 rows for
+  `tl.dot`; it streams the keys memory-bound, so tiles favour many loads in flight.
 - prefill-like: 128 rows of `BLOCK_Q` tokens x `group` heads against 64-key tiles (128 for
   long prompts), the usual FlashAttention-2 shape for Hopper without wgmma-specific code.
+A prefill-like launch whose last sequences are decodes (a mixed step) gives those a decode tile
+of their own in the same launch (`choose_mixed_decode_tile`), with the prefill tile's warps.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ LONG_PREFILL_KEYS = 4096
 # head size 64 ran 13% slower in it even at 16k, so that pair has none)
 _LONG_PREFILL_FROM = {(64, True): LONG_PREFILL_KEYS, (128, True): LONG_PREFILL_KEYS,
                       (128, False): 2 * LONG_PREFILL_KEYS}
+DECODE_ROWS = 64  # query rows (tokens x group, padded) up to which a launch is decode-like
 # head_pad -> (block_n, num_warps, num_stages) for decode-like steps.
 _DECODE_TILES = {
     32: (64, 4, 3),
@@ -96,7 +99,7 @@ def choose_tile(*, head_size: int, group: int, max_query_len: int, elem_bytes: i
     head_pad = max(16, next_pow2(head_size))
     key = min(max(head_pad, 32), 256)
     rows = next_pow2(max(1, max_query_len) * group)
-    if rows <= 64:
+    if rows <= DECODE_ROWS:
         block_m = max(16, rows, next_pow2(group))
         block_n, num_warps, num_stages = _decode_tile(key, block_m, max_seq_len, num_seqs * num_kv_heads, num_sms)
     else:
@@ -111,6 +114,54 @@ def choose_tile(*, head_size: int, group: int, max_query_len: int, elem_bytes: i
         num_warps, num_stages = 1, 1
     block_q = max(1, block_m // group)
     return AttentionTile(block_q, block_m, block_n, num_warps, num_stages)
+
+
+# Mixed launches (issue #12: a prefill chunk beside many decodes, e.g. a 2k chunk over 2k keys and
+# 64 decodes of 2k at 32/8/128): the decodes, the launch's last sequences, get programs of a
+# decode tile in the same launch. It runs with the prefill tile's warps (8 at head size 128) and
+# one CTA an SM (the prefill body's 216-255 registers x 256 threads, sm_90 compile), so a decode
+# program alone must keep enough keys in flight. head_pad -> (block_n, num_stages) of those programs. 5 stages give
+# two K/V buffers a loop (sm_90 compile: the block-table load takes a stage of its own, and a
+# tile read into registers frees its buffer), so one tile loads while one is computed; ~140 KB of
+# shared memory at head size 128. A first guess, NOT measured: to be fitted on the H100 (e.g.
+# `decode_tile=` of `paged_attention`) and recorded in docs/PERF.md.
+MIXED_DECODE_TILES = {
+    32: (128, 5),
+    64: (128, 5),
+    128: (128, 5),
+    256: (64, 5),
+}
+# Where the decode programs sit in a mixed launch's grid: after this fraction of the prefill's
+# query tiles (longest first), the rest of the tiles and the decodes interleave evenly. 0: the
+# decodes' memory-bound streaming overlaps the prefill's matmuls from the start; 1: every
+# prefill tile first, the decodes only fill SMs as the last prefill programs retire (estimated:
+# about the two launches' sum, as the keys stream only after the matmuls). A first guess, NOT
+# measured: to be fitted on the H100.
+MIXED_PREFILL_LEAD = 0.0
+
+
+def choose_mixed_decode_tile(tile: AttentionTile, *, head_size: int, group: int, max_decode_query_len: int,
+                             elem_bytes: int, interpret: bool) -> AttentionTile | None:
+    """The tile of a mixed launch's decode programs (each up to `max_decode_query_len` query
+    tokens), beside prefill programs of `tile`; None unless `tile` is prefill-shaped (more than
+    DECODE_ROWS rows: a decode-like launch keeps one tile, and one compiled variant) and the
+    decodes are decode-like and fit fewer rows than `tile`'s."""
+    rows = next_pow2(max(1, max_decode_query_len) * group)
+    block_m = max(16, rows)
+    if tile.block_m <= DECODE_ROWS or rows > DECODE_ROWS or block_m >= tile.block_m:
+        return None
+    head_pad = max(16, next_pow2(head_size))
+    block_n, num_stages = MIXED_DECODE_TILES[min(max(head_pad, 32), 256)]
+    if elem_bytes == 4 and not interpret:  # float32 operands: as `choose_tile` keeps them
+        block_n, num_stages = 32, 1 if head_pad >= 256 else 2
+    if interpret:
+        num_stages = 1
+    return AttentionTile(max(1, block_m // group), block_m, block_n, tile.num_warps, num_stages)
+
+
+def mixed_lead(num_tiles: int) -> int:
+    """Query tiles of a mixed launch's prefill part that precede its first decode program."""
+    return min(num_tiles, round(MIXED_PREFILL_LEAD * num_tiles))
 
 
 def forced_tile(tile: AttentionTile, block_n: int, num_warps: int, num_stages: int,

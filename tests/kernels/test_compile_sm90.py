@@ -30,12 +30,13 @@ _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
 
 class _Recorder:
     def __init__(self, fn):
-        self.fn, self.compiled = fn, []
+        self.fn, self.compiled, self.mixed = fn, [], []
 
     def __getitem__(self, grid):
         def launch(*args, **constexprs):
             options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages")
                        if k in constexprs}
+            self.mixed.append(bool(constexprs.get("MIXED")))
             constexprs.pop("launch_pdl", None)  # a launch attribute, not part of the compile
             if "PDL" in constexprs:  # compile the grid-dependency instructions an H100 runs
                 constexprs["PDL"] = True
@@ -97,6 +98,19 @@ CASES = {
     "long_prefill_bf16_d128_fp8e4": dict(lens=[(4000, 130)], heads=(32, 8), head_size=128,
                                          dtype=torch.bfloat16, kv_cache_dtype="fp8_e4m3"),
     "long_prefill_fp16_d64": dict(lens=[(4000, 130)], heads=(8, 2), head_size=64, dtype=torch.float16),
+    # mixed launches (`decodes`: the last sequences are decodes with a tile of their own)
+    "mixed_bf16_d128": dict(lens=[(64, 200)] + [(40, 1)] * 3, heads=(32, 8), head_size=128,
+                            dtype=torch.bfloat16, decodes=3),
+    "mixed_long_bf16_d128_split": dict(lens=[(4000, 130)] + [(900, 1)] * 2, heads=(32, 8), head_size=128,
+                                       dtype=torch.bfloat16, decodes=2, splits=2),
+    "mixed_fp16_d80_fp8e5_options": dict(lens=[(10, 90), (0, 1), (6, 1)], heads=(8, 2),
+                                         head_size=80, dtype=torch.float16,
+                                         kv_cache_dtype="fp8_e5m2", block_size=5,
+                                         sliding_window=4, soft_cap=3.0, alibi=True, decodes=2),
+    "mixed_bf16_d256_fp8e4": dict(lens=[(40, 200), (30, 1)], heads=(8, 2), head_size=256,
+                                  dtype=torch.bfloat16, kv_cache_dtype="fp8_e4m3", decodes=1),
+    "mixed_bf16_d64_gqa1": dict(lens=[(40, 200), (30, 1), (9, 1)], heads=(8, 8), head_size=64,
+                                dtype=torch.bfloat16, decodes=2),
 }
 
 
@@ -122,8 +136,10 @@ def _compile_case(case: str) -> dict:
                                          max(4, c.get("splits", 1)), "cpu")
         attend(kernel_args(batch), scale=0.1, workspace=ws, num_splits=c.get("splits"),
                sliding_window=c.get("sliding_window"), soft_cap=c.get("soft_cap"),
-               alibi_slopes=torch.ones(num_heads) if c.get("alibi") else None)
-    return {name: [k.metadata.shared for k in rec.compiled] for name, rec in recorders.items()}
+               alibi_slopes=torch.ones(num_heads) if c.get("alibi") else None,
+               num_decodes=c.get("decodes", 0))
+    out = {name: [k.metadata.shared for k in rec.compiled] for name, rec in recorders.items()}
+    return out | {"mixed": recorders["_paged_attention_kernel"].mixed}
 
 
 STORE_CASES = ["store_kv_float8_e4m3fn", "store_kv_float8_e5m2"]
@@ -159,6 +175,7 @@ def test_compiles_for_sm90(case, report):
         return
     shared = result["_paged_attention_kernel"]
     assert len(shared) == 1 and shared[0] <= H100_SMEM
+    assert result["mixed"] == [bool(CASES[case].get("decodes"))]  # decodes got their own tile
     if CASES[case].get("splits"):
         assert len(result["_reduce_splits_kernel"]) == 1
 

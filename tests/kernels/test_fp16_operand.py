@@ -6,7 +6,7 @@ import torch
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from pagedattn.kernels.paged_attention import _fp16_operand  # noqa: E402
+from pagedattn.kernels.attention_program import _fp16_operand  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
