@@ -40,6 +40,18 @@ class TritonBackend(AttentionBackend):
     def get_name() -> str:
         return "triton"
 
+    @classmethod
+    def provider(cls) -> str:
+        """Our kernels; on an H100/H200 paged prefill-like steps take the Gluon sm_90 kernel,
+        elsewhere `pagedattn info` says why not."""
+        from pagedattn.kernels import hopper_prefill
+
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        reason = hopper_prefill.unavailable_reason(device)
+        if reason is None:
+            return "triton; paged prefills on the Gluon sm_90 kernel"
+        return f"triton (Gluon sm_90 prefill kernel off: {reason})"
+
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
         return TritonImpl

@@ -1,0 +1,353 @@
+"""Prefill attention for Hopper (sm_90), written in Gluon (Triton's explicit-layout dialect).
+
+The portable kernel (`paged_attention.py`) is FlashAttention-2's loop: each key tile's two
+matrix products and its softmax run one after the other, so the tensor cores wait while the
+exponentials are computed (53-60% of the bf16 matmul rate on an H100). Here the products are
+Hopper's asynchronous warpgroup MMAs, issued FlashAttention-3's way (its "intra-warpgroup
+overlap"): while the softmax of key tile j runs on the CUDA cores, the tensor cores compute
+tile j-1's P @ V, and tile j+1's S = Q K^T is issued before tile j's softmax is read back.
+
+Per program (query tile x KV head, the portable kernel's grid and GQA packing: BLOCK_M rows =
+BLOCK_Q tokens x GROUP query heads sharing one KV head, longest causal tiles first):
+- Q and key/value tiles go to shared memory by `cp.async` (one gather path for pages of any size
+  and for contiguous rows), STAGES tiles in a ring: tile j-1's values (in the P V product), tile
+  j, and STAGES - 2 tiles in flight; a paged tile's block ids are loaded one iteration before
+  its copies are issued.
+- Iteration j: wait for tile j's copies; one barrier (every warpgroup is past iteration j-1,
+  so tile j-2's slot is free: issue tile j + STAGES - 2 into it); issue S_j = Q K_j^T, then
+  O += P_{j-1} V_{j-1}; wait for S_j only; online softmax of S_j (base 2, masks only on tiles
+  that need them) while P V runs; wait for it; rescale O.
+- Output normalised by the softmax sum, stored in 16-byte rows; optional natural-log LSE.
+
+Scope (everything else takes the portable kernel; `supported` says which): 16-bit queries and
+caches of the same dtype, head sizes 64 and 128, causal or not, paged or contiguous keys, no
+sliding window, ALiBi, soft cap or FP8, unsplit. `PAGEDATTN_GLUON=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+from ._common import INTERPRET, next_pow2
+
+try:  # Gluon's Hopper API as of Triton 3.6; older Tritons lack it and keep the portable kernel
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared,
+                                                                  warpgroup_mma, warpgroup_mma_wait)
+    # one CTA-wide barrier: `thread_barrier` up to Triton 3.6, `barrier` from 3.7
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    GLUON = True
+except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
+    GLUON = False
+
+ENABLED: bool = os.environ.get("PAGEDATTN_GLUON", "1") != "0"
+HEAD_SIZES = (64, 128)
+LOG2E = 1.4426950408889634
+# Gluon's API changes between Triton releases (3.7 renamed `thread_barrier`, 3.9 refuses this
+# kernel's ring allocation); the kernel is checked against 3.6, the GPU machine's Triton.
+TRITON_VERSIONS = ("3.6.",)
+
+# (BLOCK_N keys per tile, STAGES, num_warps) by head size and the longest sequence; BLOCK_M = 16 x
+# num_warps rows (one 16-row MMA slab per warp). Shared memory: Q (BLOCK_M x D) + STAGES x (K, V)
+# tiles: 224 KiB for (128, 3, 8) at head size 128 (one program an SM), 112 KiB for (64, 3, 4)
+# (two). Fitted on the H100 against the portable kernel (docs/PERF.md, "Gluon prefill"): the
+# two-program tile is faster up to 4k keys (e.g. 16x1k paged: 273 vs 253 TFLOP/s), the
+# 128-key one from 16k (1x16k: 413 vs 363).
+SHORT_TILE = (64, 3, 4)
+LONG_TILE = (128, 3, 8)
+LONG_FROM = {128: 8192}  # head size -> keys from which LONG_TILE wins (head size 64: never)
+
+
+def choose_tile(head_size: int, max_seq_len: int) -> tuple[int, int, int]:
+    start = LONG_FROM.get(head_size)
+    return LONG_TILE if start is not None and max_seq_len >= start else SHORT_TILE
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why this kernel cannot run on `device` (None: it can, for the launches `supported` takes)."""
+    if not GLUON:
+        return "this Triton has no Gluon Hopper API"
+    if not ENABLED:
+        return "PAGEDATTN_GLUON=0"
+    if INTERPRET:
+        return "Gluon kernels do not run under TRITON_INTERPRET"
+    if not triton.__version__.startswith(TRITON_VERSIONS):
+        return f"checked against Triton {'/'.join(v + 'x' for v in TRITON_VERSIONS)}, found {triton.__version__}"
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return "needs an sm_90 GPU (H100/H200)"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _runs_on(device: torch.device) -> bool:
+    return unavailable_reason(device) is None
+
+
+def supported(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, paged: bool, group: int,
+              max_query_len: int, sliding_window, alibi_slopes, soft_cap, num_splits) -> bool:
+    """Whether a launch takes this kernel: a prefill-like step (more rows than a decode tile)
+    over paged keys, on an H100/H200, within the scope above, heads of unit stride and
+    16-element strides (cp.async moves 16 bytes; Triton specialises strides divisible by 16)."""
+    head_size = query.shape[-1]
+    return (paged and head_size in HEAD_SIZES and next_pow2(max_query_len * group) > 64 and group <= 16
+            and query.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == query.dtype
+            and sliding_window is None and alibi_slopes is None and soft_cap is None
+            and num_splits in (None, 1) and _runs_on(query.device)
+            and all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(x % 16 == 0 for x in t.stride()[:-1])
+                    for t in (query, k_cache, v_cache)))
+
+
+if GLUON:
+
+    @gluon.jit
+    def _issue_tile(k_slot, v_slot, k_ptr, v_ptr, rows_k, rows_v, ok, d, kh_off, vh_off):
+        """cp.async one key tile and its value tile into their ring slots; rows past the key
+        range read nothing and fill with zeros."""
+        async_copy.async_copy_global_to_shared(k_slot, k_ptr + kh_off + rows_k[:, None] + d[None, :],
+                                               mask=ok[:, None])
+        async_copy.async_copy_global_to_shared(v_slot, v_ptr + vh_off + rows_v[:, None] + d[None, :],
+                                               mask=ok[:, None])
+
+    @gluon.jit
+    def _tile_rows(t, ids, key_hi, kv_row0, stride_kb, stride_ks, stride_vb, stride_vs,
+                   BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, PAGED: gl.constexpr, layout: gl.constexpr):
+        """Row offsets (int64) of key tile t in the K and V caches, and which rows exist."""
+        n = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=layout)
+        ok = n < key_hi
+        if PAGED:
+            block = ids.to(gl.int64)
+            within = (n % BLOCK_SIZE).to(gl.int64)
+            rows_k = block * stride_kb + within * stride_ks
+            rows_v = block * stride_vb + within * stride_vs
+        else:
+            row = kv_row0 + n.to(gl.int64)
+            rows_k = row * stride_ks
+            rows_v = row * stride_vs
+        return rows_k, rows_v, ok
+
+    @gluon.jit
+    def _block_ids(bt_row_ptr, t, key_hi, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                   PAGED: gl.constexpr, layout: gl.constexpr):
+        """Block ids of key tile t's rows (zeros past the key range, and for contiguous keys)."""
+        n = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=layout)
+        if PAGED:
+            ids = gl.load(bt_row_ptr + n // BLOCK_SIZE, mask=n < key_hi, other=0)
+        else:
+            ids = n * 0
+        return ids
+
+    @gluon.jit
+    def _scores(s_acc, t, q_pos, key_hi, n_full, qk_scale, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                layout: gl.constexpr):
+        """Scaled base-2 scores of key tile t; tiles from `n_full` on carry the causal/length mask."""
+        s = s_acc * qk_scale
+        if t >= n_full:
+            n = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+            if CAUSAL:
+                keep = n[None, :] <= q_pos[:, None]
+            else:
+                keep = (n < key_hi)[None, :] & (q_pos >= -1)[:, None]
+            s = gl.where(keep, s, float("-inf"))
+        return s
+
+    @gluon.jit(do_not_specialize=["num_seqs", "num_tiles", "stride_bt"])
+    def _hopper_prefill_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
+        query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, kv_start_loc_ptr,
+        qk_scale, num_seqs, num_tiles,
+        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        stride_ot, stride_oh, stride_lt, stride_lh, stride_bt,
+        HEAD: gl.constexpr, GROUP: gl.constexpr, NUM_KV_HEADS: gl.constexpr, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr, SEARCH_STEPS: gl.constexpr,
+        CAUSAL: gl.constexpr, PAGED: gl.constexpr, WRITE_LSE: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
+        BLOCK_Q: gl.constexpr = BLOCK_M // GROUP
+        # Accumulator layouts of the two products (warps stacked along the rows, 16 each), the
+        # register operand P of the second, and a 16-byte-per-thread layout for global memory.
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, HEAD, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        TPD: gl.constexpr = HEAD // 8
+        io_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // TPD, TPD],
+                                                   warps_per_cta=[num_warps, 1], order=[1, 0])
+        row_io: gl.constexpr = gl.SliceLayout(1, io_layout)
+        col_io: gl.constexpr = gl.SliceLayout(0, io_layout)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        # Program -> (sequence, query tile, KV head), as the portable kernel numbers them.
+        kvh = gl.program_id(0) % NUM_KV_HEADS
+        pid = num_tiles - 1 - gl.program_id(0) // NUM_KV_HEADS
+        lo = pid * 0
+        hi = lo + num_seqs
+        for _ in gl.static_range(SEARCH_STEPS):
+            mid = (lo + hi) // 2
+            go_right = gl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= pid
+            lo = gl.where(go_right, mid, lo)
+            hi = gl.where(go_right, hi, mid)
+        b = lo
+        q_begin = gl.load(query_start_loc_ptr + b)
+        q_len = gl.load(query_start_loc_ptr + b + 1) - q_begin
+        q0 = (pid - (q_begin // BLOCK_Q + b)) * BLOCK_Q
+        if q0 < q_len:
+            seq_len = gl.load(seq_lens_ptr + b)
+            p_first = seq_len - q_len + q0
+            p_last = seq_len - q_len + gl.minimum(q0 + BLOCK_Q, q_len) - 1
+            if CAUSAL:
+                key_hi = p_last + 1
+                full_hi = p_first + 1  # keys every row of the tile sees
+            else:
+                key_hi = seq_len
+                full_hi = seq_len
+            n_tiles = gl.cdiv(key_hi, BLOCK_N)
+            n_full = full_hi // BLOCK_N
+            bt_row_ptr = block_tables_ptr + b.to(gl.int64) * stride_bt
+            kv_row0 = b.to(gl.int64) * 0
+            if not PAGED:
+                kv_row0 = gl.load(kv_start_loc_ptr + b).to(gl.int64)
+            kh_off = kvh.to(gl.int64) * stride_kh
+            vh_off = kvh.to(gl.int64) * stride_vh
+            d_io = gl.arange(0, HEAD, layout=col_io)
+
+            q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD],
+                                               gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD], dtype))
+            kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD], dtype)
+            k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD], kv_smem_layout)
+            v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD], kv_smem_layout)
+
+            # Q rows: token q0 + r // GROUP, head kvh * GROUP + r % GROUP (padding rows read nothing).
+            r_io = gl.arange(0, BLOCK_M, layout=row_io)
+            tok_io = (q_begin + q0 + r_io // GROUP).to(gl.int64)
+            head_io = (kvh * GROUP + r_io % GROUP).to(gl.int64)
+            # rows past BLOCK_Q tokens' heads (128 rows of GROUP = 3: 126 used) are padding
+            row_ok_io = (r_io < BLOCK_Q * GROUP) & (q0 + r_io // GROUP < q_len)
+            q_rows = tok_io * stride_qt + head_io * stride_qh
+            async_copy.async_copy_global_to_shared(q_smem, q_ptr + q_rows[:, None] + d_io[None, :],
+                                                   mask=row_ok_io[:, None])
+
+            # Prologue: tiles 0 .. STAGES-2 in flight (tile 0's group carries Q), the next
+            # tile's block ids loading.
+            for t0 in gl.static_range(STAGES - 1):
+                if t0 < n_tiles:
+                    ids = _block_ids(bt_row_ptr, t0, key_hi, BLOCK_N, BLOCK_SIZE, PAGED, row_io)
+                    rows_k, rows_v, ok = _tile_rows(t0, ids, key_hi, kv_row0, stride_kb, stride_ks, stride_vb,
+                                                    stride_vs, BLOCK_N, BLOCK_SIZE, PAGED, row_io)
+                    _issue_tile(k_smem.index(t0), v_smem.index(t0), k_ptr, v_ptr, rows_k, rows_v, ok, d_io,
+                                kh_off, vh_off)
+                async_copy.commit_group()
+            ids_next = _block_ids(bt_row_ptr, STAGES - 1, key_hi, BLOCK_N, BLOCK_SIZE, PAGED, row_io)
+
+            r_s = gl.arange(0, BLOCK_M, layout=row_s)
+            q_pos = gl.where((r_s < BLOCK_Q * GROUP) & (q0 + r_s // GROUP < q_len), seq_len - q_len + q0 + r_s // GROUP,
+                             -1)
+            s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+            acc = gl.zeros([BLOCK_M, HEAD], gl.float32, o_layout)
+
+            # Tile 0: its scores alone.
+            async_copy.wait_group(STAGES - 2)
+            fence_async_shared()
+            _cta_barrier()
+            s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s_acc = warpgroup_mma_wait(0, deps=(s_tok,))
+            s = _scores(s_acc, 0, q_pos, key_hi, n_full, qk_scale, BLOCK_N, CAUSAL, s_layout)
+            m_i = gl.max(s, 1)
+            m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)
+            p = gl.exp2(s - m_safe[:, None])
+            l_i = gl.sum(p, 1)
+
+            for j in range(1, n_tiles):
+                # Tile j landed (its group is the oldest pending); after the barrier every
+                # warpgroup has finished iteration j-1, so tile j-2's slot is free for tile
+                # j + STAGES - 2.
+                async_copy.wait_group(STAGES - 3)
+                fence_async_shared()
+                _cta_barrier()
+                nxt = j + STAGES - 2
+                if nxt < n_tiles:
+                    rows_k, rows_v, ok = _tile_rows(nxt, ids_next, key_hi, kv_row0, stride_kb, stride_ks, stride_vb,
+                                                    stride_vs, BLOCK_N, BLOCK_SIZE, PAGED, row_io)
+                    _issue_tile(k_smem.index(nxt % STAGES), v_smem.index(nxt % STAGES), k_ptr, v_ptr, rows_k, rows_v,
+                                ok, d_io, kh_off, vh_off)
+                async_copy.commit_group()
+                ids_next = _block_ids(bt_row_ptr, nxt + 1, key_hi, BLOCK_N, BLOCK_SIZE, PAGED, row_io)
+
+                s_tok = warpgroup_mma(q_smem, k_smem.index(j % STAGES).permute((1, 0)), s_zero, use_acc=False,
+                                      is_async=True)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                o_tok = warpgroup_mma(p_op, v_smem.index((j - 1) % STAGES), acc, is_async=True)
+                s_acc, p_op = warpgroup_mma_wait(1, deps=(s_tok, p_op))
+                s = _scores(s_acc, j, q_pos, key_hi, n_full, qk_scale, BLOCK_N, CAUSAL, s_layout)
+                m_new = gl.maximum(m_i, gl.max(s, 1))
+                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+                p = gl.exp2(s - m_safe[:, None])
+                alpha = gl.exp2(m_i - m_safe)
+                l_i = l_i * alpha + gl.sum(p, 1)
+                m_i = m_new
+                # p and l_i ride through the wait: nothing then sinks the exponentials below it
+                # (LLVM would, to their next use), so they run while the P V product does
+                acc, p_op, p, l_i = warpgroup_mma_wait(0, deps=(o_tok, p_op, p, l_i))
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            o_tok = warpgroup_mma(p_op, v_smem.index((n_tiles - 1) % STAGES), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(o_tok,))
+            async_copy.wait_group(0)
+
+            l_o = gl.convert_layout(l_i, row_o)
+            empty = l_o == 0.0
+            o = acc / gl.where(empty, 1.0, l_o)[:, None]
+            o_io = gl.convert_layout(o.to(dtype), io_layout)
+            out_rows = tok_io * stride_ot + head_io * stride_oh
+            gl.store(out_ptr + out_rows[:, None] + d_io[None, :], o_io, mask=row_ok_io[:, None])
+            if WRITE_LSE:  # natural-log LSE of the scaled scores (m_i, l_i are base 2)
+                m_o = gl.convert_layout(m_i, row_o)
+                lse = gl.where(empty, float("-inf"), (m_o + gl.log2(gl.where(empty, 1.0, l_o))) * 0.6931471805599453)
+                r_o = gl.arange(0, BLOCK_M, layout=row_o)
+                tok_o = (q_begin + q0 + r_o // GROUP).to(gl.int64)
+                head_o = (kvh * GROUP + r_o % GROUP).to(gl.int64)
+                gl.store(lse_ptr + tok_o * stride_lt + head_o * stride_lh, lse,
+                         mask=(r_o < BLOCK_Q * GROUP) & (q0 + r_o // GROUP < q_len))
+
+
+def hopper_prefill(query, k_cache, v_cache, out, *, query_start_loc, seq_lens, block_tables, scale, causal,
+                   lse, kv_start_loc, max_seq_len: int, search_steps: int,
+                   tile: tuple[int, int, int] | None = None) -> None:
+    """Launch the kernel; `paged_attention` has checked every argument and `supported` holds.
+    `tile` forces (BLOCK_N, STAGES, num_warps) for tuning runs."""
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads = k_cache.shape[-2]
+    group = num_heads // num_kv_heads
+    num_seqs = query_start_loc.shape[0] - 1
+    block_n, stages, num_warps = tile or choose_tile(head_size, max_seq_len)
+    if stages < 3 or num_warps not in (4, 8):
+        raise ValueError(f"expected a tile of >= 3 stages and 4 or 8 warps, got {tile}")
+    block_m = 16 * num_warps
+    block_q = max(1, block_m // group)
+    num_tiles = num_tokens // block_q + num_seqs
+    paged = kv_start_loc is None
+    if paged:
+        kv = (block_tables, seq_lens, *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0))
+        block_size = k_cache.shape[1]
+    else:  # contiguous rows [total_kv, Hkv, D]: no block stride
+        kv = (seq_lens, kv_start_loc, 0, k_cache.stride(0), k_cache.stride(1), 0, v_cache.stride(0),
+              v_cache.stride(1), 0)
+        block_size = 1
+    bt, kv_start, skb, sks, skh, svb, svs, svh, sbt = kv
+    lse_arg = lse if lse is not None else seq_lens.view(-1, 1)
+    _hopper_prefill_kernel[(num_tiles * num_kv_heads,)](
+        query, k_cache, v_cache, out, lse_arg, query_start_loc, seq_lens, bt, kv_start,
+        float(scale) * LOG2E, num_seqs, num_tiles,
+        query.stride(0), query.stride(1), skb, sks, skh, svb, svs, svh,
+        out.stride(0), out.stride(1), lse_arg.stride(0), lse_arg.stride(1), sbt,
+        HEAD=head_size, GROUP=group, NUM_KV_HEADS=num_kv_heads, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_SIZE=block_size, STAGES=stages, SEARCH_STEPS=search_steps, CAUSAL=bool(causal), PAGED=paged,
+        WRITE_LSE=lse is not None, num_warps=num_warps,
+    )

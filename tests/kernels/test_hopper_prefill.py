@@ -1,0 +1,137 @@
+"""The Gluon Hopper prefill kernel (pagedattn.kernels.hopper_prefill) against the dense float64
+oracle on shuffled pages; the launches run on an H100/H200 only (skipped elsewhere with the
+reason), the policy and the refusals everywhere."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from oracle import rel_l2  # noqa: E402
+from paged_kernel import attend, kernel_args, kernel_batch  # noqa: E402
+
+from pagedattn.kernels import hopper_prefill as hp  # noqa: E402
+from pagedattn.kernels.paged_attention import search_steps  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+REASON = hp.unavailable_reason(DEVICE)
+on_hopper = pytest.mark.skipif(REASON is not None, reason=f"the Gluon kernel cannot run here: {REASON}")
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+# (context_len, query_len) per sequence: fresh prompts, chunks over cached prefixes (the
+# prefix ends mid-block), several query tiles per sequence, a one-token tail sequence.
+LENS = {
+    "one_prompt": [(0, 300)],
+    "chunks": [(37, 150), (0, 90), (200, 129)],
+    "long_chunk": [(1000, 700)],
+    "ragged": [(5, 64), (130, 3), (0, 257), (17, 1)],
+    "mixed": [(37, 150), (0, 90), (200, 1), (63, 1), (15, 1)],
+}
+
+
+def run_direct(args, *, scale, causal, tile, lse):
+    out = torch.full_like(args.query, float("nan"))
+    lse_t = torch.full(args.query.shape[:2], 7.0, device=args.query.device) if lse else None
+    hp.hopper_prefill(args.query, args.k_cache, args.v_cache, out, query_start_loc=args.query_start_loc,
+                      seq_lens=args.seq_lens, block_tables=args.block_tables, scale=scale, causal=causal,
+                      lse=lse_t, kv_start_loc=None, max_seq_len=args.max_seq_len,
+                      search_steps=search_steps(args.seq_lens.shape[0]), tile=tile)
+    return out, lse_t
+
+
+@on_hopper
+@pytest.mark.parametrize("tile", [hp.SHORT_TILE, hp.LONG_TILE, (64, 4, 8)], ids=str)
+@pytest.mark.parametrize("shape", list(LENS))
+@pytest.mark.parametrize("heads", [(32, 8, 128), (8, 8, 64), (16, 1, 128), (12, 4, 64)], ids=str)
+@pytest.mark.parametrize("block_size", [16, 1, 64])
+def test_matches_the_oracle(tile, shape, heads, block_size):
+    num_heads, num_kv_heads, head_size = heads
+    batch = kernel_batch(LENS[shape], num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                         block_size=block_size, dtype=torch.bfloat16, device=DEVICE)
+    scale = head_size ** -0.5
+    out, lse = run_direct(kernel_args(batch), scale=scale, causal=True, tile=tile, lse=True)
+    ref_out, ref_lse = batch.reference(scale=scale)
+    assert rel_l2(out, ref_out) <= TOL[torch.bfloat16]
+    torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=2e-2, rtol=1e-3)
+
+
+@on_hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [True, False])
+def test_dtypes_and_non_causal(dtype, causal):
+    batch = kernel_batch(LENS["chunks"], num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+                         dtype=dtype, device=DEVICE)
+    scale = 128 ** -0.5
+    out, _ = run_direct(kernel_args(batch), scale=scale, causal=causal, tile=None, lse=False)
+    ref_out, _ = batch.reference(scale=scale, causal=causal)
+    assert rel_l2(out, ref_out) <= TOL[dtype]
+
+
+@on_hopper
+@pytest.mark.parametrize("shape", ["chunks", "mixed"])
+def test_paged_attention_takes_it_for_paged_prefills(monkeypatch, shape):
+    """paged_attention routes a prefill-like paged step here, a mixed one too (and the result
+    is the oracle's)."""
+    calls = []
+    real = hp.hopper_prefill
+    monkeypatch.setattr(hp, "hopper_prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
+    batch = kernel_batch(LENS[shape], num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                         dtype=torch.bfloat16, device=DEVICE)
+    scale = 64 ** -0.5
+    decodes = sum(q == 1 for _, q in LENS[shape])
+    out, _ = attend(kernel_args(batch), scale=scale, num_decodes=decodes)
+    assert calls, "expected the Gluon kernel to run"
+    assert rel_l2(out, batch.reference(scale=scale)[0]) <= TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("option", ["sliding_window", "alibi_slopes", "soft_cap", "fp32", "decode", "head_size",
+                                    "contiguous", "split", "stride"])
+def test_options_outside_its_scope_take_the_portable_kernel(option):
+    """`supported` is False for every option the kernel lacks, so those launches keep the
+    portable kernel (checked with the device requirement met, whatever this machine is)."""
+    q = torch.zeros(300, 8, 128, dtype=torch.bfloat16)
+    k = torch.zeros(40, 16, 2, 128, dtype=torch.bfloat16)
+    kw = dict(paged=True, group=4, max_query_len=300, sliding_window=None, alibi_slopes=None, soft_cap=None,
+              num_splits=None)
+    if option in ("sliding_window", "soft_cap"):
+        kw[option] = 8
+    elif option == "alibi_slopes":
+        kw[option] = torch.ones(8)
+    elif option == "fp32":
+        q, k = q.float(), k.float()
+    elif option == "decode":
+        kw["max_query_len"] = 1
+    elif option == "head_size":
+        q, k = q[..., :96], k[..., :96]
+    elif option == "contiguous":
+        kw["paged"] = False
+    elif option == "split":
+        kw["num_splits"] = 4
+    elif option == "stride":
+        q = torch.zeros(300, 8, 136, dtype=torch.bfloat16)[..., :128]
+    original = hp._runs_on
+    try:
+        hp._runs_on = lambda device: True
+        baseline = dict(kw, paged=True, group=4, max_query_len=300)
+        assert hp.supported(torch.zeros(300, 8, 128, dtype=torch.bfloat16), torch.zeros(40, 16, 2, 128,
+                            dtype=torch.bfloat16), torch.zeros(40, 16, 2, 128, dtype=torch.bfloat16),
+                            **{**baseline, "sliding_window": None, "alibi_slopes": None, "soft_cap": None,
+                               "num_splits": None})
+        assert not hp.supported(q, k, k, **kw)
+    finally:
+        hp._runs_on = original
+
+
+def test_tile_policy():
+    assert hp.choose_tile(128, 1024) == hp.SHORT_TILE
+    assert hp.choose_tile(128, hp.LONG_FROM[128]) == hp.LONG_TILE
+    assert hp.choose_tile(64, 1 << 20) == hp.SHORT_TILE
+
+
+def test_a_bad_forced_tile_is_refused():
+    if REASON is not None:
+        pytest.skip(REASON)
+    batch = kernel_batch(LENS["one_prompt"], num_heads=4, num_kv_heads=1, head_size=64, block_size=16,
+                         dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="stages"):
+        run_direct(kernel_args(batch), scale=0.1, causal=True, tile=(64, 2, 4), lse=False)
