@@ -19,9 +19,13 @@ BLOCK_Q tokens x GROUP query heads sharing one KV head, longest causal tiles fir
   that need them) while P V runs; wait for it; rescale O.
 - Output normalised by the softmax sum, stored in 16-byte rows; optional natural-log LSE.
 
+Contiguous keys (a step's own rows) come by TMA instead of cp.async: one bulk copy a tile, its
+slot's mbarrier completing when it lands.
+
 Scope (everything else takes the portable kernel; `supported` says which): 16-bit queries and
-caches of the same dtype, head sizes 64 and 128, causal or not, paged or contiguous keys, no
-sliding window, ALiBi, soft cap or FP8, unsplit. `PAGEDATTN_GLUON=0` turns it off.
+caches of the same dtype, head sizes 64 and 128 over pages (128 over contiguous keys, below
+8k), causal or not, no sliding window, ALiBi, soft cap or FP8, unsplit; Triton 3.6 on sm_90.
+`PAGEDATTN_GLUON=0` turns it off.
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ from ._common import INTERPRET, next_pow2
 try:  # Gluon's Hopper API as of Triton 3.6; older Tritons lack it and keep the portable kernel
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared,
+    from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     # one CTA-wide barrier: `thread_barrier` up to Triton 3.6, `barrier` from 3.7
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     GLUON = True
@@ -61,6 +66,11 @@ TRITON_VERSIONS = ("3.6.",)
 SHORT_TILE = (64, 3, 4)
 LONG_TILE = (128, 3, 8)
 LONG_FROM = {128: 8192}  # head size -> keys from which LONG_TILE wins (head size 64: never)
+# Contiguous keys (a step of fresh prompts, read from its own rows by TMA) take this kernel at
+# these head sizes below this many keys; the portable kernel is as fast from there (H100, 32/8/128:
+# 16x1k 378 vs 278 TFLOP/s, 4x4k 462 vs 422, 1x16k 464 vs 471; docs/PERF.md, "Gluon prefill").
+CONTIGUOUS_HEAD_SIZES = (128,)
+CONTIGUOUS_BELOW = 8192
 
 
 def choose_tile(head_size: int, max_seq_len: int) -> tuple[int, int, int]:
@@ -89,12 +99,16 @@ def _runs_on(device: torch.device) -> bool:
 
 
 def supported(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, paged: bool, group: int,
-              max_query_len: int, sliding_window, alibi_slopes, soft_cap, num_splits) -> bool:
+              max_query_len: int, max_seq_len: int, sliding_window, alibi_slopes, soft_cap, num_splits) -> bool:
     """Whether a launch takes this kernel: a prefill-like step (more rows than a decode tile)
-    over paged keys, on an H100/H200, within the scope above, heads of unit stride and
-    16-element strides (cp.async moves 16 bytes; Triton specialises strides divisible by 16)."""
+    over paged keys, or over contiguous keys where that is faster (CONTIGUOUS_*: heads adjacent
+    in a row, as TMA reads them), on an H100/H200, within the scope above, heads of unit stride
+    and 16-element strides (cp.async and TMA move 16 bytes; Triton specialises strides divisible
+    by 16)."""
     head_size = query.shape[-1]
-    return (paged and head_size in HEAD_SIZES and next_pow2(max_query_len * group) > 64 and group <= 16
+    keys_ok = paged or (head_size in CONTIGUOUS_HEAD_SIZES and max_seq_len < CONTIGUOUS_BELOW
+                        and k_cache.stride(-2) == head_size and v_cache.stride(-2) == head_size)
+    return (keys_ok and head_size in HEAD_SIZES and next_pow2(max_query_len * group) > 64 and group <= 16
             and query.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == query.dtype
             and sliding_window is None and alibi_slopes is None and soft_cap is None
             and num_splits in (None, 1) and _runs_on(query.device)
@@ -112,6 +126,19 @@ if GLUON:
                                                mask=ok[:, None])
         async_copy.async_copy_global_to_shared(v_slot, v_ptr + vh_off + rows_v[:, None] + d[None, :],
                                                mask=ok[:, None])
+
+    @gluon.jit
+    def _issue_tma(k_desc, v_desc, k_smem, v_smem, ready, t, kv_row0, kvh, HEAD: gl.constexpr,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """Contiguous keys: key tile t and its value tile by TMA into ring slot t % STAGES,
+        completing the slot's `ready` barrier. Rows past the sequence are the next sequence's
+        (or zeros past the tensor): finite, and masked out of the scores."""
+        slot = t % STAGES
+        bar = ready.index(slot)
+        mbarrier.expect(bar, 2 * BLOCK_N * HEAD * 2)
+        row = (kv_row0 + t * BLOCK_N).to(gl.int32)
+        tma.async_copy_global_to_shared(k_desc, [row, kvh * HEAD], bar, k_smem.index(slot))
+        tma.async_copy_global_to_shared(v_desc, [row, kvh * HEAD], bar, v_smem.index(slot))
 
     @gluon.jit
     def _tile_rows(t, ids, key_hi, kv_row0, stride_kb, stride_ks, stride_vb, stride_vs,
@@ -150,14 +177,14 @@ if GLUON:
             n = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
             if CAUSAL:
                 keep = n[None, :] <= q_pos[:, None]
-            else:
-                keep = (n < key_hi)[None, :] & (q_pos >= -1)[:, None]
+            else:  # every row sees every key, whatever its position (cross attention's may be < 0)
+                keep = (n < key_hi)[None, :]
             s = gl.where(keep, s, float("-inf"))
         return s
 
     @gluon.jit(do_not_specialize=["num_seqs", "num_tiles", "stride_bt"])
     def _hopper_prefill_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
+        q_ptr, k_src, v_src, out_ptr, lse_ptr,
         query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, kv_start_loc_ptr,
         qk_scale, num_seqs, num_tiles,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -222,6 +249,9 @@ if GLUON:
             kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD], dtype)
             k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD], kv_smem_layout)
             v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD], kv_smem_layout)
+            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # TMA tiles
+            for i in gl.static_range(STAGES):
+                mbarrier.init(ready.index(i), count=1)
 
             # Q rows: token q0 + r // GROUP, head kvh * GROUP + r % GROUP (padding rows read nothing).
             r_io = gl.arange(0, BLOCK_M, layout=row_io)
@@ -233,16 +263,22 @@ if GLUON:
             async_copy.async_copy_global_to_shared(q_smem, q_ptr + q_rows[:, None] + d_io[None, :],
                                                    mask=row_ok_io[:, None])
 
-            # Prologue: tiles 0 .. STAGES-2 in flight (tile 0's group carries Q), the next
-            # tile's block ids loading.
+            # Prologue: tiles 0 .. STAGES-2 in flight (over pages, tile 0's copy group carries
+            # Q; contiguous tiles come by TMA), the next tile's block ids loading.
+            if not PAGED:
+                async_copy.commit_group()
             for t0 in gl.static_range(STAGES - 1):
                 if t0 < n_tiles:
-                    ids = _block_ids(bt_row_ptr, t0, key_hi, BLOCK_N, BLOCK_SIZE, PAGED, row_io)
-                    rows_k, rows_v, ok = _tile_rows(t0, ids, key_hi, kv_row0, stride_kb, stride_ks, stride_vb,
-                                                    stride_vs, BLOCK_N, BLOCK_SIZE, PAGED, row_io)
-                    _issue_tile(k_smem.index(t0), v_smem.index(t0), k_ptr, v_ptr, rows_k, rows_v, ok, d_io,
-                                kh_off, vh_off)
-                async_copy.commit_group()
+                    if PAGED:
+                        ids = _block_ids(bt_row_ptr, t0, key_hi, BLOCK_N, BLOCK_SIZE, PAGED, row_io)
+                        rows_k, rows_v, ok = _tile_rows(t0, ids, key_hi, kv_row0, stride_kb, stride_ks, stride_vb,
+                                                        stride_vs, BLOCK_N, BLOCK_SIZE, PAGED, row_io)
+                        _issue_tile(k_smem.index(t0), v_smem.index(t0), k_src, v_src, rows_k, rows_v, ok, d_io,
+                                    kh_off, vh_off)
+                    else:
+                        _issue_tma(k_src, v_src, k_smem, v_smem, ready, t0, kv_row0, kvh, HEAD, BLOCK_N, STAGES)
+                if PAGED:
+                    async_copy.commit_group()
             ids_next = _block_ids(bt_row_ptr, STAGES - 1, key_hi, BLOCK_N, BLOCK_SIZE, PAGED, row_io)
 
             r_s = gl.arange(0, BLOCK_M, layout=row_s)
@@ -252,9 +288,14 @@ if GLUON:
             acc = gl.zeros([BLOCK_M, HEAD], gl.float32, o_layout)
 
             # Tile 0: its scores alone.
-            async_copy.wait_group(STAGES - 2)
+            if PAGED:
+                async_copy.wait_group(STAGES - 2)
+            else:
+                async_copy.wait_group(0)  # Q
             fence_async_shared()
             _cta_barrier()
+            if not PAGED:
+                mbarrier.wait(ready.index(0), 0)
             s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s_acc = warpgroup_mma_wait(0, deps=(s_tok,))
             s = _scores(s_acc, 0, q_pos, key_hi, n_full, qk_scale, BLOCK_N, CAUSAL, s_layout)
@@ -264,20 +305,27 @@ if GLUON:
             l_i = gl.sum(p, 1)
 
             for j in range(1, n_tiles):
-                # Tile j landed (its group is the oldest pending); after the barrier every
+                # Tile j landed (its copy group is the oldest pending); after the barrier every
                 # warpgroup has finished iteration j-1, so tile j-2's slot is free for tile
-                # j + STAGES - 2.
-                async_copy.wait_group(STAGES - 3)
-                fence_async_shared()
+                # j + STAGES - 2. Contiguous tiles: TMA, and tile j's barrier.
+                if PAGED:
+                    async_copy.wait_group(STAGES - 3)
+                    fence_async_shared()
                 _cta_barrier()
                 nxt = j + STAGES - 2
                 if nxt < n_tiles:
-                    rows_k, rows_v, ok = _tile_rows(nxt, ids_next, key_hi, kv_row0, stride_kb, stride_ks, stride_vb,
-                                                    stride_vs, BLOCK_N, BLOCK_SIZE, PAGED, row_io)
-                    _issue_tile(k_smem.index(nxt % STAGES), v_smem.index(nxt % STAGES), k_ptr, v_ptr, rows_k, rows_v,
-                                ok, d_io, kh_off, vh_off)
-                async_copy.commit_group()
-                ids_next = _block_ids(bt_row_ptr, nxt + 1, key_hi, BLOCK_N, BLOCK_SIZE, PAGED, row_io)
+                    if PAGED:
+                        rows_k, rows_v, ok = _tile_rows(nxt, ids_next, key_hi, kv_row0, stride_kb, stride_ks,
+                                                        stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, PAGED, row_io)
+                        _issue_tile(k_smem.index(nxt % STAGES), v_smem.index(nxt % STAGES), k_src, v_src, rows_k,
+                                    rows_v, ok, d_io, kh_off, vh_off)
+                    else:
+                        _issue_tma(k_src, v_src, k_smem, v_smem, ready, nxt, kv_row0, kvh, HEAD, BLOCK_N, STAGES)
+                if PAGED:
+                    async_copy.commit_group()
+                    ids_next = _block_ids(bt_row_ptr, nxt + 1, key_hi, BLOCK_N, BLOCK_SIZE, PAGED, row_io)
+                else:
+                    mbarrier.wait(ready.index(j % STAGES), (j // STAGES) & 1)
 
                 s_tok = warpgroup_mma(q_smem, k_smem.index(j % STAGES).permute((1, 0)), s_zero, use_acc=False,
                                       is_async=True)
@@ -336,14 +384,17 @@ def hopper_prefill(query, k_cache, v_cache, out, *, query_start_loc, seq_lens, b
     if paged:
         kv = (block_tables, seq_lens, *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0))
         block_size = k_cache.shape[1]
-    else:  # contiguous rows [total_kv, Hkv, D]: no block stride
-        kv = (seq_lens, kv_start_loc, 0, k_cache.stride(0), k_cache.stride(1), 0, v_cache.stride(0),
-              v_cache.stride(1), 0)
+        k_src, v_src = k_cache, v_cache
+    else:  # contiguous rows [total_kv, Hkv, D], read by TMA as [total_kv, Hkv * D] tiles
+        kv = (seq_lens, kv_start_loc, 0, 0, 0, 0, 0, 0, 0)
         block_size = 1
+        layout = gl.NVMMASharedLayout.get_default_for([block_n, head_size], gl.float16)  # 16-bit
+        k_src, v_src = (TensorDescriptor(x, [x.shape[0], num_kv_heads * head_size], [x.stride(0), 1],
+                                         [block_n, head_size], layout) for x in (k_cache, v_cache))
     bt, kv_start, skb, sks, skh, svb, svs, svh, sbt = kv
     lse_arg = lse if lse is not None else seq_lens.view(-1, 1)
     _hopper_prefill_kernel[(num_tiles * num_kv_heads,)](
-        query, k_cache, v_cache, out, lse_arg, query_start_loc, seq_lens, bt, kv_start,
+        query, k_src, v_src, out, lse_arg, query_start_loc, seq_lens, bt, kv_start,
         float(scale) * LOG2E, num_seqs, num_tiles,
         query.stride(0), query.stride(1), skb, sks, skh, svb, svs, svh,
         out.stride(0), out.stride(1), lse_arg.stride(0), lse_arg.stride(1), sbt,

@@ -85,13 +85,13 @@ def test_paged_attention_takes_it_for_paged_prefills(monkeypatch, shape):
 
 
 @pytest.mark.parametrize("option", ["sliding_window", "alibi_slopes", "soft_cap", "fp32", "decode", "head_size",
-                                    "contiguous", "split", "stride"])
+                                    "contiguous_d64", "contiguous_long", "contiguous_heads_apart", "split", "stride"])
 def test_options_outside_its_scope_take_the_portable_kernel(option):
     """`supported` is False for every option the kernel lacks, so those launches keep the
     portable kernel (checked with the device requirement met, whatever this machine is)."""
     q = torch.zeros(300, 8, 128, dtype=torch.bfloat16)
     k = torch.zeros(40, 16, 2, 128, dtype=torch.bfloat16)
-    kw = dict(paged=True, group=4, max_query_len=300, sliding_window=None, alibi_slopes=None, soft_cap=None,
+    kw = dict(paged=True, group=4, max_query_len=300, max_seq_len=300, sliding_window=None, alibi_slopes=None, soft_cap=None,
               num_splits=None)
     if option in ("sliding_window", "soft_cap"):
         kw[option] = 8
@@ -103,8 +103,13 @@ def test_options_outside_its_scope_take_the_portable_kernel(option):
         kw["max_query_len"] = 1
     elif option == "head_size":
         q, k = q[..., :96], k[..., :96]
-    elif option == "contiguous":
+    elif option == "contiguous_d64":  # contiguous keys at head size 64: the portable kernel is faster
+        q, k = q[..., :64].contiguous(), torch.zeros(300, 2, 64, dtype=torch.bfloat16)
         kw["paged"] = False
+    elif option == "contiguous_long":
+        k, kw["paged"], kw["max_seq_len"] = torch.zeros(300, 2, 128, dtype=torch.bfloat16), False, hp.CONTIGUOUS_BELOW
+    elif option == "contiguous_heads_apart":  # TMA reads a token's heads as one row
+        k, kw["paged"] = torch.zeros(300, 2, 256, dtype=torch.bfloat16)[..., :128], False
     elif option == "split":
         kw["num_splits"] = 4
     elif option == "stride":
@@ -120,6 +125,41 @@ def test_options_outside_its_scope_take_the_portable_kernel(option):
         assert not hp.supported(q, k, k, **kw)
     finally:
         hp._runs_on = original
+
+
+@on_hopper
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("heads", [(32, 8), (12, 4), (8, 8)], ids=str)
+def test_contiguous_keys_match_the_oracle(causal, heads):
+    """Keys as rows of the step's own K/V (TMA tiles), laid out as a fused projection's views
+    (a token's K and V heads inside a wider row): fresh prompts (causal) and cross attention
+    (non-causal, other key counts, rows past a sequence belonging to the next)."""
+    from oracle import dense_attention_with_lse
+
+    num_heads, num_kv_heads = heads
+    d = 128
+    g = torch.Generator().manual_seed(5)
+    q_lens = [300, 77, 513, 1]
+    kv_lens = q_lens if causal else [40, 700, 129, 3]
+    rows = torch.randn(sum(kv_lens) + 5, 3 * num_kv_heads * d, generator=g).to(torch.bfloat16).to(DEVICE)
+    k, v = (rows[:, i * num_kv_heads * d:(i + 1) * num_kv_heads * d].view(-1, num_kv_heads, d) for i in (0, 1))
+    q = torch.randn(sum(q_lens), num_heads, d, generator=g).to(torch.bfloat16).to(DEVICE)
+    qsl = torch.tensor([sum(q_lens[:i]) for i in range(len(q_lens) + 1)], dtype=torch.int32, device=DEVICE)
+    ksl = torch.tensor([sum(kv_lens[:i]) for i in range(len(kv_lens) + 1)], dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
+    assert hp.supported(q, k, v, paged=False, group=num_heads // num_kv_heads, max_query_len=max(q_lens),
+                        max_seq_len=max(kv_lens), sliding_window=None, alibi_slopes=None, soft_cap=None,
+                        num_splits=None)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], 7.0, device=DEVICE)
+    hp.hopper_prefill(q, k, v, out, query_start_loc=qsl, seq_lens=seq_lens, block_tables=None, scale=d ** -0.5,
+                      causal=causal, lse=lse, kv_start_loc=ksl, max_seq_len=max(kv_lens),
+                      search_steps=search_steps(len(q_lens)))
+    for b in range(len(q_lens)):
+        qs, ks = slice(qsl[b], qsl[b + 1]), slice(ksl[b], ksl[b + 1])
+        ref_o, ref_l = dense_attention_with_lse(q[qs].cpu(), k[ks].cpu(), v[ks].cpu(), scale=d ** -0.5, causal=causal)
+        assert rel_l2(out[qs], ref_o) <= TOL[torch.bfloat16]
+        torch.testing.assert_close(lse[qs].double().cpu(), ref_l, atol=2e-2, rtol=1e-3)
 
 
 def test_tile_policy():
