@@ -72,15 +72,26 @@ def timed(calls) -> float:
     return median_event_ms(one, reps=30, warmup=3) * 1e3
 
 
+def _tile(text: str) -> tuple[int, ...]:
+    try:
+        tile = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected BLOCK_N,STAGES,WARPS (e.g. 64,3,4), got {text!r}") from None
+    if len(tile) != 3:
+        raise argparse.ArgumentTypeError(f"expected BLOCK_N,STAGES,WARPS (e.g. 64,3,4), got {text!r}")
+    return tile
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--match", default="")
-    ap.add_argument("--tiles", nargs="*", default=["128,3,8", "64,4,8", "64,3,4"])
+    ap.add_argument("--tiles", nargs="*", default=[(128, 3, 8), (64, 4, 8), (64, 3, 4)], type=_tile,
+                    help="BLOCK_N,STAGES,WARPS of each Gluon row")
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-fi", action="store_true")
     a = ap.parse_args(argv)
     dev = torch.device("cuda")
-    tiles = [tuple(int(x) for x in t.split(",")) for t in a.tiles]
+    tiles = a.tiles
     rows = []
     for case in prefill_cases() + chunked_cases():
         if a.match not in case.name or case.head_size not in hp.HEAD_SIZES:

@@ -35,12 +35,22 @@ def save_model(folder: str, heads: tuple[int, int, int], max_len: int) -> None:
     byte_tokenizer().save_pretrained(folder)
 
 
+def _heads(text: str) -> tuple[int, int, int]:
+    try:
+        hq, hkv, d = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HQ,HKV,D (e.g. 32,8,128), got {text!r}") from None
+    if min(hq, hkv, d) < 1 or hq % hkv:
+        raise argparse.ArgumentTypeError(f"expected positive sizes with HQ a multiple of HKV, got {text!r}")
+    return hq, hkv, d
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--heads", default="32,8,128")
+    ap.add_argument("--heads", default="32,8,128", type=_heads, help="query heads, KV heads, head size")
     ap.add_argument("--max-model-len", type=int, default=16384)
     a = ap.parse_args(argv)
-    heads = tuple(int(x) for x in a.heads.split(","))
+    heads = a.heads
     with tempfile.TemporaryDirectory() as folder:
         save_model(folder, heads, a.max_model_len)
         t0 = time.perf_counter()

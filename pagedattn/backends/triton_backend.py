@@ -1,9 +1,11 @@
 """The `triton` backend: our Triton kernels (pagedattn.kernels) behind the contract.
 
 Every part of a DECODER step (prefills over cached prefixes and decodes) goes through ONE
-launch of the paged-attention kernel, the decodes in a decode-shaped tile of their own; a step
-of fresh prompts only reads its keys from the step's own rows (contiguous) instead of the cache. Encoder, encoder-only and cross attention
-use the same kernel, non-causal, over contiguous K/V or the cross-attention blocks. Nothing in
+launch of the paged-attention kernel, the decodes in a decode-shaped tile of their own (on an
+H100/H200, prefill-like steps run its Gluon kernel instead: `pagedattn info`); a step of fresh
+prompts only reads its keys from the step's own rows (contiguous) instead of the cache.
+Encoder, encoder-only and cross attention use the same kernel, non-causal, over contiguous K/V
+or the cross-attention blocks. Nothing in
 `forward` synchronises with the host or plans: launch parameters come from the metadata's host ints,
 the split-KV scratch is allocated once per (device, heads, head size), and FP8 scales come from the
 layer's `KVScales` as device scalars, so decode steps capture in CUDA graphs.
@@ -42,14 +44,14 @@ class TritonBackend(AttentionBackend):
 
     @classmethod
     def provider(cls) -> str:
-        """Our kernels; on an H100/H200 paged prefill-like steps take the Gluon sm_90 kernel,
+        """Our kernels; on an H100/H200 prefill-like steps take the Gluon sm_90 kernel,
         elsewhere `pagedattn info` says why not."""
         from pagedattn.kernels import hopper_prefill
 
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         reason = hopper_prefill.unavailable_reason(device)
         if reason is None:
-            return "triton; paged prefills on the Gluon sm_90 kernel"
+            return "triton; prefills on the Gluon sm_90 kernel"
         return f"triton (Gluon sm_90 prefill kernel off: {reason})"
 
     @staticmethod

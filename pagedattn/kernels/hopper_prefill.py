@@ -9,18 +9,15 @@ tile j-1's P @ V, and tile j+1's S = Q K^T is issued before tile j's softmax is 
 
 Per program (query tile x KV head, the portable kernel's grid and GQA packing: BLOCK_M rows =
 BLOCK_Q tokens x GROUP query heads sharing one KV head, longest causal tiles first):
-- Q and key/value tiles go to shared memory by `cp.async` (one gather path for pages of any size
-  and for contiguous rows), STAGES tiles in a ring: tile j-1's values (in the P V product), tile
-  j, and STAGES - 2 tiles in flight; a paged tile's block ids are loaded one iteration before
-  its copies are issued.
+- Q and key/value tiles go to shared memory, STAGES tiles in a ring: tile j-1's values (in the
+  P V product), tile j, and STAGES - 2 tiles in flight. Over pages (any page size) by `cp.async`,
+  a tile's block ids loaded one iteration before its copies are issued; contiguous keys (a
+  step's own rows) by TMA, one bulk copy a tile, its slot's mbarrier completing when it lands.
 - Iteration j: wait for tile j's copies; one barrier (every warpgroup is past iteration j-1,
   so tile j-2's slot is free: issue tile j + STAGES - 2 into it); issue S_j = Q K_j^T, then
   O += P_{j-1} V_{j-1}; wait for S_j only; online softmax of S_j (base 2, masks only on tiles
   that need them) while P V runs; wait for it; rescale O.
 - Output normalised by the softmax sum, stored in 16-byte rows; optional natural-log LSE.
-
-Contiguous keys (a step's own rows) come by TMA instead of cp.async: one bulk copy a tile, its
-slot's mbarrier completing when it lands.
 
 Scope (everything else takes the portable kernel; `supported` says which): 16-bit queries and
 caches of the same dtype, head sizes 64 and 128 over pages (128 over contiguous keys, below
@@ -107,7 +104,8 @@ def supported(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     by 16)."""
     head_size = query.shape[-1]
     keys_ok = paged or (head_size in CONTIGUOUS_HEAD_SIZES and max_seq_len < CONTIGUOUS_BELOW
-                        and k_cache.stride(-2) == head_size and v_cache.stride(-2) == head_size)
+                        and k_cache.shape[0] > 0 and k_cache.stride(-2) == head_size
+                        and v_cache.stride(-2) == head_size)
     return (keys_ok and head_size in HEAD_SIZES and next_pow2(max_query_len * group) > 64 and group <= 16
             and query.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == query.dtype
             and sliding_window is None and alibi_slopes is None and soft_cap is None
@@ -119,13 +117,18 @@ def supported(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 if GLUON:
 
     @gluon.jit
-    def _issue_tile(k_slot, v_slot, k_ptr, v_ptr, rows_k, rows_v, ok, d, kh_off, vh_off):
-        """cp.async one key tile and its value tile into their ring slots; rows past the key
-        range read nothing and fill with zeros."""
-        async_copy.async_copy_global_to_shared(k_slot, k_ptr + kh_off + rows_k[:, None] + d[None, :],
-                                               mask=ok[:, None])
-        async_copy.async_copy_global_to_shared(v_slot, v_ptr + vh_off + rows_v[:, None] + d[None, :],
-                                               mask=ok[:, None])
+    def _issue_pages(k_slot, v_slot, k_ptr, v_ptr, ids, t, key_hi, kh_off, vh_off, stride_kb, stride_ks, stride_vb,
+                     stride_vs, d, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, layout: gl.constexpr):
+        """Keys over pages: cp.async key tile t and its value tile (block ids `ids`, one a row)
+        into their ring slots; rows past the key range read nothing and fill with zeros."""
+        n = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=layout)
+        ok = (n < key_hi)[:, None]
+        block = ids.to(gl.int64)
+        within = (n % BLOCK_SIZE).to(gl.int64)
+        rows_k = block * stride_kb + within * stride_ks
+        rows_v = block * stride_vb + within * stride_vs
+        async_copy.async_copy_global_to_shared(k_slot, k_ptr + kh_off + rows_k[:, None] + d[None, :], mask=ok)
+        async_copy.async_copy_global_to_shared(v_slot, v_ptr + vh_off + rows_v[:, None] + d[None, :], mask=ok)
 
     @gluon.jit
     def _issue_tma(k_desc, v_desc, k_smem, v_smem, ready, t, kv_row0, kvh, HEAD: gl.constexpr,
@@ -141,32 +144,10 @@ if GLUON:
         tma.async_copy_global_to_shared(v_desc, [row, kvh * HEAD], bar, v_smem.index(slot))
 
     @gluon.jit
-    def _tile_rows(t, ids, key_hi, kv_row0, stride_kb, stride_ks, stride_vb, stride_vs,
-                   BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, PAGED: gl.constexpr, layout: gl.constexpr):
-        """Row offsets (int64) of key tile t in the K and V caches, and which rows exist."""
+    def _block_ids(bt_row_ptr, t, key_hi, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, layout: gl.constexpr):
+        """Block ids of key tile t's rows (block 0 past the key range: its rows are not read)."""
         n = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=layout)
-        ok = n < key_hi
-        if PAGED:
-            block = ids.to(gl.int64)
-            within = (n % BLOCK_SIZE).to(gl.int64)
-            rows_k = block * stride_kb + within * stride_ks
-            rows_v = block * stride_vb + within * stride_vs
-        else:
-            row = kv_row0 + n.to(gl.int64)
-            rows_k = row * stride_ks
-            rows_v = row * stride_vs
-        return rows_k, rows_v, ok
-
-    @gluon.jit
-    def _block_ids(bt_row_ptr, t, key_hi, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                   PAGED: gl.constexpr, layout: gl.constexpr):
-        """Block ids of key tile t's rows (zeros past the key range, and for contiguous keys)."""
-        n = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=layout)
-        if PAGED:
-            ids = gl.load(bt_row_ptr + n // BLOCK_SIZE, mask=n < key_hi, other=0)
-        else:
-            ids = n * 0
-        return ids
+        return gl.load(bt_row_ptr + n // BLOCK_SIZE, mask=n < key_hi, other=0)
 
     @gluon.jit
     def _scores(s_acc, t, q_pos, key_hi, n_full, qk_scale, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
@@ -270,16 +251,16 @@ if GLUON:
             for t0 in gl.static_range(STAGES - 1):
                 if t0 < n_tiles:
                     if PAGED:
-                        ids = _block_ids(bt_row_ptr, t0, key_hi, BLOCK_N, BLOCK_SIZE, PAGED, row_io)
-                        rows_k, rows_v, ok = _tile_rows(t0, ids, key_hi, kv_row0, stride_kb, stride_ks, stride_vb,
-                                                        stride_vs, BLOCK_N, BLOCK_SIZE, PAGED, row_io)
-                        _issue_tile(k_smem.index(t0), v_smem.index(t0), k_src, v_src, rows_k, rows_v, ok, d_io,
-                                    kh_off, vh_off)
+                        ids = _block_ids(bt_row_ptr, t0, key_hi, BLOCK_N, BLOCK_SIZE, row_io)
+                        _issue_pages(k_smem.index(t0), v_smem.index(t0), k_src, v_src, ids, t0, key_hi, kh_off,
+                                     vh_off, stride_kb, stride_ks, stride_vb, stride_vs, d_io, BLOCK_N, BLOCK_SIZE,
+                                     row_io)
                     else:
                         _issue_tma(k_src, v_src, k_smem, v_smem, ready, t0, kv_row0, kvh, HEAD, BLOCK_N, STAGES)
                 if PAGED:
                     async_copy.commit_group()
-            ids_next = _block_ids(bt_row_ptr, STAGES - 1, key_hi, BLOCK_N, BLOCK_SIZE, PAGED, row_io)
+            if PAGED:
+                ids_next = _block_ids(bt_row_ptr, STAGES - 1, key_hi, BLOCK_N, BLOCK_SIZE, row_io)
 
             r_s = gl.arange(0, BLOCK_M, layout=row_s)
             q_pos = gl.where((r_s < BLOCK_Q * GROUP) & (q0 + r_s // GROUP < q_len), seq_len - q_len + q0 + r_s // GROUP,
@@ -315,15 +296,14 @@ if GLUON:
                 nxt = j + STAGES - 2
                 if nxt < n_tiles:
                     if PAGED:
-                        rows_k, rows_v, ok = _tile_rows(nxt, ids_next, key_hi, kv_row0, stride_kb, stride_ks,
-                                                        stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, PAGED, row_io)
-                        _issue_tile(k_smem.index(nxt % STAGES), v_smem.index(nxt % STAGES), k_src, v_src, rows_k,
-                                    rows_v, ok, d_io, kh_off, vh_off)
+                        _issue_pages(k_smem.index(nxt % STAGES), v_smem.index(nxt % STAGES), k_src, v_src, ids_next,
+                                     nxt, key_hi, kh_off, vh_off, stride_kb, stride_ks, stride_vb, stride_vs, d_io,
+                                     BLOCK_N, BLOCK_SIZE, row_io)
                     else:
                         _issue_tma(k_src, v_src, k_smem, v_smem, ready, nxt, kv_row0, kvh, HEAD, BLOCK_N, STAGES)
                 if PAGED:
                     async_copy.commit_group()
-                    ids_next = _block_ids(bt_row_ptr, nxt + 1, key_hi, BLOCK_N, BLOCK_SIZE, PAGED, row_io)
+                    ids_next = _block_ids(bt_row_ptr, nxt + 1, key_hi, BLOCK_N, BLOCK_SIZE, row_io)
                 else:
                     mbarrier.wait(ready.index(j % STAGES), (j // STAGES) & 1)
 
@@ -375,8 +355,8 @@ def hopper_prefill(query, k_cache, v_cache, out, *, query_start_loc, seq_lens, b
     group = num_heads // num_kv_heads
     num_seqs = query_start_loc.shape[0] - 1
     block_n, stages, num_warps = tile or choose_tile(head_size, max_seq_len)
-    if stages < 3 or num_warps not in (4, 8):
-        raise ValueError(f"expected a tile of >= 3 stages and 4 or 8 warps, got {tile}")
+    if block_n not in (32, 64, 128) or stages < 3 or num_warps not in (4, 8):
+        raise ValueError(f"expected a tile (BLOCK_N in 32/64/128, >= 3 stages, 4 or 8 warps), got {tile}")
     block_m = 16 * num_warps
     block_q = max(1, block_m // group)
     num_tiles = num_tokens // block_q + num_seqs

@@ -39,9 +39,9 @@ Algorithm (FlashAttention-2 with GQA packing and FlashDecoding splits):
   The count is a runtime argument: one compiled variant serves every count (1 to 128).
 - On an H100/H200 a prefill-like launch over pages (mixed ones included), or a short one over
   contiguous keys, that fits `hopper_prefill.supported` (16-bit, head size 64/128, no window,
-  ALiBi, soft cap or FP8)
-  runs the Gluon kernel of `hopper_prefill.py` instead: asynchronous warpgroup MMAs, 1.2-1.4x
-  this loop there (docs/PERF.md, "Gluon prefill"). A forced `tile` keeps this kernel.
+  ALiBi, soft cap or FP8) runs the Gluon kernel of `hopper_prefill.py` instead: asynchronous
+  warpgroup MMAs, 1.2-1.4x this loop there (docs/PERF.md, "Gluon prefill"). A forced `tile`
+  keeps this kernel.
 The per-program body lives in attention_program.py.
 """
 

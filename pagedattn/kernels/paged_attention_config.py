@@ -116,15 +116,15 @@ def choose_tile(*, head_size: int, group: int, max_query_len: int, elem_bytes: i
     return AttentionTile(block_q, block_m, block_n, num_warps, num_stages)
 
 
-# Mixed launches (issue #12: a prefill chunk beside many decodes, e.g. a 2k chunk over 2k keys and
-# 64 decodes of 2k at 32/8/128): the decodes, the launch's last sequences, get programs of a
-# decode tile in the same launch. It runs with the prefill tile's warps (8 at head size 128) and
-# one CTA an SM (the prefill body's 216-255 registers x 256 threads, sm_90 compile), so a decode
-# program alone must keep enough keys in flight. head_pad -> (block_n, num_stages) of those programs. 5 stages give
-# two K/V buffers a loop (sm_90 compile: the block-table load takes a stage of its own, and a
-# tile read into registers frees its buffer), so one tile loads while one is computed; ~140 KB of
-# shared memory at head size 128. A first guess, NOT measured: to be fitted on the H100 (e.g.
-# `decode_tile=` of `paged_attention`) and recorded in docs/PERF.md.
+# Mixed launches (a prefill chunk beside many decodes, e.g. a 2k chunk over 2k keys and 64
+# decodes of 2k at 32/8/128): the decodes, the launch's last sequences, get programs of a decode
+# tile in the same launch. It runs with the prefill tile's warps (8 at head size 128) and one CTA
+# an SM (the prefill body's 216-255 registers x 256 threads, sm_90 compile), so a decode program
+# alone must keep enough keys in flight. head_pad -> (block_n, num_stages) of those programs.
+# 5 stages give two K/V buffers a loop (sm_90 compile: the block-table load takes a stage of its
+# own, and a tile read into registers frees its buffer); ~140 KB of shared memory at head size
+# 128. Measured once (H100, that step): 568 us against 654 with every sequence in the prefill
+# tile; not fitted further (on an H100 the Gluon kernel takes such steps: docs/PERF.md).
 MIXED_DECODE_TILES = {
     32: (128, 5),
     64: (128, 5),
@@ -134,9 +134,7 @@ MIXED_DECODE_TILES = {
 # Where the decode programs sit in a mixed launch's grid: after this fraction of the prefill's
 # query tiles (longest first), the rest of the tiles and the decodes interleave evenly. 0: the
 # decodes' memory-bound streaming overlaps the prefill's matmuls from the start; 1: every
-# prefill tile first, the decodes only fill SMs as the last prefill programs retire (estimated:
-# about the two launches' sum, as the keys stream only after the matmuls). A first guess, NOT
-# measured: to be fitted on the H100.
+# prefill tile first. Measured on the step above: 568 us at 0, 566 at 1 (within noise).
 MIXED_PREFILL_LEAD = 0.0
 
 

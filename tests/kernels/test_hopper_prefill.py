@@ -85,14 +85,15 @@ def test_paged_attention_takes_it_for_paged_prefills(monkeypatch, shape):
 
 
 @pytest.mark.parametrize("option", ["sliding_window", "alibi_slopes", "soft_cap", "fp32", "decode", "head_size",
-                                    "contiguous_d64", "contiguous_long", "contiguous_heads_apart", "split", "stride"])
+                                    "contiguous_d64", "contiguous_long", "contiguous_heads_apart",
+                                    "contiguous_empty", "split", "stride"])
 def test_options_outside_its_scope_take_the_portable_kernel(option):
     """`supported` is False for every option the kernel lacks, so those launches keep the
     portable kernel (checked with the device requirement met, whatever this machine is)."""
     q = torch.zeros(300, 8, 128, dtype=torch.bfloat16)
     k = torch.zeros(40, 16, 2, 128, dtype=torch.bfloat16)
-    kw = dict(paged=True, group=4, max_query_len=300, max_seq_len=300, sliding_window=None, alibi_slopes=None, soft_cap=None,
-              num_splits=None)
+    kw = dict(paged=True, group=4, max_query_len=300, max_seq_len=300, sliding_window=None, alibi_slopes=None,
+              soft_cap=None, num_splits=None)
     if option in ("sliding_window", "soft_cap"):
         kw[option] = 8
     elif option == "alibi_slopes":
@@ -108,6 +109,8 @@ def test_options_outside_its_scope_take_the_portable_kernel(option):
         kw["paged"] = False
     elif option == "contiguous_long":
         k, kw["paged"], kw["max_seq_len"] = torch.zeros(300, 2, 128, dtype=torch.bfloat16), False, hp.CONTIGUOUS_BELOW
+    elif option == "contiguous_empty":  # no keys at all (cross attention over nothing): no TMA descriptor
+        k, kw["paged"] = torch.zeros(0, 2, 128, dtype=torch.bfloat16), False
     elif option == "contiguous_heads_apart":  # TMA reads a token's heads as one row
         k, kw["paged"] = torch.zeros(300, 2, 256, dtype=torch.bfloat16)[..., :128], False
     elif option == "split":
