@@ -11,12 +11,17 @@ Per program (query tile x KV head, the portable kernel's grid and GQA packing: B
 BLOCK_Q tokens x GROUP query heads sharing one KV head, longest causal tiles first):
 - Q and key/value tiles go to shared memory, STAGES tiles in a ring: tile j-1's values (in the
   P V product), tile j, and STAGES - 2 tiles in flight. Over pages (any page size) by `cp.async`,
-  a tile's block ids loaded one iteration before its copies are issued; contiguous keys (a
-  step's own rows) by TMA, one bulk copy a tile, its slot's mbarrier completing when it lands.
+  a tile's block ids loaded one iteration before its copies are issued; each thread copies RPT
+  consecutive rows, which share a page wherever the page size is a multiple of RPT: one block id,
+  one 64-bit page address and compile-time row offsets a thread (the in-page row strides are
+  constexpr), and masks on the last tile only. Contiguous keys (a step's own rows) by TMA, one
+  bulk copy a tile, its slot's mbarrier completing when it lands.
 - Iteration j: wait for tile j's copies; one barrier (every warpgroup is past iteration j-1,
   so tile j-2's slot is free: issue tile j + STAGES - 2 into it); issue S_j = Q K_j^T, then
-  O += P_{j-1} V_{j-1}; wait for S_j only; online softmax of S_j (base 2, masks only on tiles
-  that need them) while P V runs; wait for it; rescale O.
+  O += P_{j-1} V_{j-1}; wait for S_j only; online softmax of S_j (base 2, the scale folded into
+  the exponent's FMA, masks only on tiles that need them) while P V runs; wait for it; rescale O.
+  The loop is bound by issue slots (ncu: ~0.43 instructions a cycle a scheduler, "wait" stalls
+  first), so every instruction a tile costs counts (docs/PERF.md, "ninth session").
 - Output normalised by the softmax sum, stored in 16-byte rows; optional natural-log LSE.
 
 Scope (everything else takes the portable kernel; `supported` says which): 16-bit queries and
@@ -117,18 +122,33 @@ def supported(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 if GLUON:
 
     @gluon.jit
-    def _issue_pages(k_slot, v_slot, k_ptr, v_ptr, ids, t, key_hi, kh_off, vh_off, stride_kb, stride_ks, stride_vb,
-                     stride_vs, d, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, layout: gl.constexpr):
-        """Keys over pages: cp.async key tile t and its value tile (block ids `ids`, one a row)
-        into their ring slots; rows past the key range read nothing and fill with zeros."""
-        n = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=layout)
-        ok = (n < key_hi)[:, None]
+    def _issue_pages(k_slot, v_slot, k_base, v_base, ids, t, key_hi, r, d, stride_kb, stride_vb,
+                     STRIDE_KS: gl.constexpr, STRIDE_VS: gl.constexpr, BLOCK_N: gl.constexpr,
+                     BLOCK_SIZE: gl.constexpr, RPT: gl.constexpr, ALIGNED: gl.constexpr, MASKED: gl.constexpr):
+        """Keys over pages: cp.async key tile t and its value tile (block ids `ids`, one a row,
+        rows `r` of the tile, columns `d`) into their ring slots. ALIGNED: a thread's RPT rows
+        lie in one page, so they are one address and compile-time offsets (the row strides in a
+        page are constants). MASKED (the last tile): rows past the key range read nothing and
+        fill with zeros."""
+        n = t * BLOCK_N + r
         block = ids.to(gl.int64)
-        within = (n % BLOCK_SIZE).to(gl.int64)
-        rows_k = block * stride_kb + within * stride_ks
-        rows_v = block * stride_vb + within * stride_vs
-        async_copy.async_copy_global_to_shared(k_slot, k_ptr + kh_off + rows_k[:, None] + d[None, :], mask=ok)
-        async_copy.async_copy_global_to_shared(v_slot, v_ptr + vh_off + rows_v[:, None] + d[None, :], mask=ok)
+        if ALIGNED:
+            within = (t * BLOCK_N + r // RPT * RPT) % BLOCK_SIZE  # the thread's first row's, one a thread
+            k_row = (k_base + (block * stride_kb + within * STRIDE_KS))[:, None] + d[None, :]
+            v_row = (v_base + (block * stride_vb + within * STRIDE_VS))[:, None] + d[None, :]
+            k_ptrs = k_row + ((r % RPT) * STRIDE_KS)[:, None]
+            v_ptrs = v_row + ((r % RPT) * STRIDE_VS)[:, None]
+        else:
+            within = n % BLOCK_SIZE
+            k_ptrs = (k_base + (block * stride_kb + within * STRIDE_KS))[:, None] + d[None, :]
+            v_ptrs = (v_base + (block * stride_vb + within * STRIDE_VS))[:, None] + d[None, :]
+        if MASKED:
+            ok = (n < key_hi)[:, None]
+            async_copy.async_copy_global_to_shared(k_slot, k_ptrs, mask=ok)
+            async_copy.async_copy_global_to_shared(v_slot, v_ptrs, mask=ok)
+        else:
+            async_copy.async_copy_global_to_shared(k_slot, k_ptrs)
+            async_copy.async_copy_global_to_shared(v_slot, v_ptrs)
 
     @gluon.jit
     def _issue_tma(k_desc, v_desc, k_smem, v_smem, ready, t, kv_row0, kvh, HEAD: gl.constexpr,
@@ -144,16 +164,22 @@ if GLUON:
         tma.async_copy_global_to_shared(v_desc, [row, kvh * HEAD], bar, v_smem.index(slot))
 
     @gluon.jit
-    def _block_ids(bt_row_ptr, t, key_hi, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, layout: gl.constexpr):
-        """Block ids of key tile t's rows (block 0 past the key range: its rows are not read)."""
-        n = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=layout)
+    def _block_ids(bt_row_ptr, t, key_hi, r, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, RPT: gl.constexpr,
+                   ALIGNED: gl.constexpr):
+        """Block ids of key tile t's rows `r` (block 0 past the key range: its rows are not read).
+        ALIGNED: every row of a thread's RPT reads its group's first row's id, one load."""
+        if ALIGNED:
+            n = t * BLOCK_N + r // RPT * RPT
+        else:
+            n = t * BLOCK_N + r
         return gl.load(bt_row_ptr + n // BLOCK_SIZE, mask=n < key_hi, other=0)
 
     @gluon.jit
-    def _scores(s_acc, t, q_pos, key_hi, n_full, qk_scale, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+    def _scores(s_acc, t, q_pos, key_hi, n_full, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                 layout: gl.constexpr):
-        """Scaled base-2 scores of key tile t; tiles from `n_full` on carry the causal/length mask."""
-        s = s_acc * qk_scale
+        """Scores of key tile t, unscaled (the scale folds into the exponent's FMA); tiles from
+        `n_full` on carry the causal/length mask."""
+        s = s_acc
         if t >= n_full:
             n = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
             if CAUSAL:
@@ -163,16 +189,71 @@ if GLUON:
             s = gl.where(keep, s, float("-inf"))
         return s
 
+    @gluon.jit
+    def _step(j, p, m_i, l_i, acc, ids_next, q_smem, k_smem, v_smem, ready, s_zero, q_pos, qk_scale, n_tiles, n_full,
+              key_hi, k_base, v_base, bt_row_ptr, r_kv, d_kv, stride_kb, stride_vb, kv_row0, kvh,
+              STRIDE_KS: gl.constexpr, STRIDE_VS: gl.constexpr, HEAD: gl.constexpr, BLOCK_N: gl.constexpr,
+              BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr, RPT: gl.constexpr, ALIGNED: gl.constexpr,
+              CAUSAL: gl.constexpr, PAGED: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+              s_layout: gl.constexpr):
+        """Iteration j of the key loop: S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued together,
+        tile j's online softmax while the second runs; returns tile j's P and the running state."""
+        dtype: gl.constexpr = q_smem.dtype
+        # Tile j landed (its copy group is the oldest pending); after the barrier every
+        # warpgroup has finished iteration j-1, so tile j-2's slot is free for tile
+        # j + STAGES - 2. Contiguous tiles: TMA, and tile j's barrier.
+        if PAGED:
+            async_copy.wait_group(STAGES - 3)
+            fence_async_shared()
+        _cta_barrier()
+        nxt = j + STAGES - 2
+        if PAGED:
+            slot = nxt % STAGES
+            if nxt < n_tiles - 1:  # rows all in range: no mask
+                _issue_pages(k_smem.index(slot), v_smem.index(slot), k_base, v_base, ids_next, nxt, key_hi, r_kv,
+                             d_kv, stride_kb, stride_vb, STRIDE_KS, STRIDE_VS, BLOCK_N, BLOCK_SIZE, RPT, ALIGNED,
+                             False)
+            elif nxt < n_tiles:
+                _issue_pages(k_smem.index(slot), v_smem.index(slot), k_base, v_base, ids_next, nxt, key_hi, r_kv,
+                             d_kv, stride_kb, stride_vb, STRIDE_KS, STRIDE_VS, BLOCK_N, BLOCK_SIZE, RPT, ALIGNED,
+                             True)
+            async_copy.commit_group()
+            ids_next = _block_ids(bt_row_ptr, nxt + 1, key_hi, r_kv, BLOCK_N, BLOCK_SIZE, RPT, ALIGNED)
+        else:
+            if nxt < n_tiles:
+                _issue_tma(k_base, v_base, k_smem, v_smem, ready, nxt, kv_row0, kvh, HEAD, BLOCK_N, STAGES)
+            mbarrier.wait(ready.index(j % STAGES), (j // STAGES) & 1)
+
+        s_tok = warpgroup_mma(q_smem, k_smem.index(j % STAGES).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        o_tok = warpgroup_mma(p_op, v_smem.index((j - 1) % STAGES), acc, is_async=True)
+        s_acc, p_op = warpgroup_mma_wait(1, deps=(s_tok, p_op))
+        s = _scores(s_acc, j, q_pos, key_hi, n_full, BLOCK_N, CAUSAL, s_layout)
+        # base-2 exponent of the scaled scores: max on the raw scores (the scale is positive),
+        # scale and subtraction in one FMA
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(gl.fma(s, qk_scale, -m_safe[:, None]))
+        alpha = gl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        # p and l_i ride through the wait: nothing then sinks the exponentials below it (LLVM
+        # would, to their next use), so they run while the P V product does
+        acc, p_op, p, l_i = warpgroup_mma_wait(0, deps=(o_tok, p_op, p, l_i))
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        return p, m_new, l_i, acc, ids_next
+
     @gluon.jit(do_not_specialize=["num_seqs", "num_tiles", "stride_bt"])
     def _hopper_prefill_kernel(
         q_ptr, k_src, v_src, out_ptr, lse_ptr,
         query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, kv_start_loc_ptr,
         qk_scale, num_seqs, num_tiles,
-        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        stride_qt, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
         stride_ot, stride_oh, stride_lt, stride_lh, stride_bt,
         HEAD: gl.constexpr, GROUP: gl.constexpr, NUM_KV_HEADS: gl.constexpr, BLOCK_M: gl.constexpr,
-        BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr, SEARCH_STEPS: gl.constexpr,
-        CAUSAL: gl.constexpr, PAGED: gl.constexpr, WRITE_LSE: gl.constexpr, num_warps: gl.constexpr,
+        BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, STRIDE_KS: gl.constexpr, STRIDE_VS: gl.constexpr,
+        STAGES: gl.constexpr, SEARCH_STEPS: gl.constexpr, CAUSAL: gl.constexpr, PAGED: gl.constexpr,
+        WRITE_LSE: gl.constexpr, num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = q_ptr.dtype.element_ty
         BLOCK_Q: gl.constexpr = BLOCK_M // GROUP
@@ -188,6 +269,12 @@ if GLUON:
                                                    warps_per_cta=[num_warps, 1], order=[1, 0])
         row_io: gl.constexpr = gl.SliceLayout(1, io_layout)
         col_io: gl.constexpr = gl.SliceLayout(0, io_layout)
+        # Key/value tiles over pages: each thread copies RPT consecutive rows; where they lie in
+        # one page (ALIGNED), a tile costs a thread one block id and one 64-bit product.
+        RPT: gl.constexpr = BLOCK_N // (32 // TPD * num_warps)
+        ALIGNED: gl.constexpr = BLOCK_SIZE % RPT == 0
+        kv_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[RPT, 8], threads_per_warp=[32 // TPD, TPD],
+                                                   warps_per_cta=[num_warps, 1], order=[1, 0])
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
@@ -221,9 +308,15 @@ if GLUON:
             kv_row0 = b.to(gl.int64) * 0
             if not PAGED:
                 kv_row0 = gl.load(kv_start_loc_ptr + b).to(gl.int64)
-            kh_off = kvh.to(gl.int64) * stride_kh
-            vh_off = kvh.to(gl.int64) * stride_vh
             d_io = gl.arange(0, HEAD, layout=col_io)
+            r_kv = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
+            d_kv = gl.arange(0, HEAD, layout=gl.SliceLayout(0, kv_layout))
+            if PAGED:  # the head's rows
+                k_base = k_src + kvh.to(gl.int64) * stride_kh
+                v_base = v_src + kvh.to(gl.int64) * stride_vh
+            else:  # TMA descriptors
+                k_base = k_src
+                v_base = v_src
 
             q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD],
                                                gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD], dtype))
@@ -251,16 +344,16 @@ if GLUON:
             for t0 in gl.static_range(STAGES - 1):
                 if t0 < n_tiles:
                     if PAGED:
-                        ids = _block_ids(bt_row_ptr, t0, key_hi, BLOCK_N, BLOCK_SIZE, row_io)
-                        _issue_pages(k_smem.index(t0), v_smem.index(t0), k_src, v_src, ids, t0, key_hi, kh_off,
-                                     vh_off, stride_kb, stride_ks, stride_vb, stride_vs, d_io, BLOCK_N, BLOCK_SIZE,
-                                     row_io)
+                        ids = _block_ids(bt_row_ptr, t0, key_hi, r_kv, BLOCK_N, BLOCK_SIZE, RPT, ALIGNED)
+                        _issue_pages(k_smem.index(t0), v_smem.index(t0), k_base, v_base, ids, t0, key_hi, r_kv, d_kv,
+                                     stride_kb, stride_vb, STRIDE_KS, STRIDE_VS, BLOCK_N, BLOCK_SIZE, RPT,
+                                     ALIGNED, True)
                     else:
                         _issue_tma(k_src, v_src, k_smem, v_smem, ready, t0, kv_row0, kvh, HEAD, BLOCK_N, STAGES)
                 if PAGED:
                     async_copy.commit_group()
-            if PAGED:
-                ids_next = _block_ids(bt_row_ptr, STAGES - 1, key_hi, BLOCK_N, BLOCK_SIZE, row_io)
+            ids_next = _block_ids(bt_row_ptr, STAGES - 1, key_hi, r_kv, BLOCK_N, BLOCK_SIZE, RPT,
+                                  ALIGNED)  # unused over contiguous keys
 
             r_s = gl.arange(0, BLOCK_M, layout=row_s)
             q_pos = gl.where((r_s < BLOCK_Q * GROUP) & (q0 + r_s // GROUP < q_len), seq_len - q_len + q0 + r_s // GROUP,
@@ -279,50 +372,18 @@ if GLUON:
                 mbarrier.wait(ready.index(0), 0)
             s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s_acc = warpgroup_mma_wait(0, deps=(s_tok,))
-            s = _scores(s_acc, 0, q_pos, key_hi, n_full, qk_scale, BLOCK_N, CAUSAL, s_layout)
-            m_i = gl.max(s, 1)
+            s = _scores(s_acc, 0, q_pos, key_hi, n_full, BLOCK_N, CAUSAL, s_layout)
+            m_i = gl.max(s, 1) * qk_scale
             m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)
-            p = gl.exp2(s - m_safe[:, None])
+            p = gl.exp2(gl.fma(s, qk_scale, -m_safe[:, None]))
             l_i = gl.sum(p, 1)
 
             for j in range(1, n_tiles):
-                # Tile j landed (its copy group is the oldest pending); after the barrier every
-                # warpgroup has finished iteration j-1, so tile j-2's slot is free for tile
-                # j + STAGES - 2. Contiguous tiles: TMA, and tile j's barrier.
-                if PAGED:
-                    async_copy.wait_group(STAGES - 3)
-                    fence_async_shared()
-                _cta_barrier()
-                nxt = j + STAGES - 2
-                if nxt < n_tiles:
-                    if PAGED:
-                        _issue_pages(k_smem.index(nxt % STAGES), v_smem.index(nxt % STAGES), k_src, v_src, ids_next,
-                                     nxt, key_hi, kh_off, vh_off, stride_kb, stride_ks, stride_vb, stride_vs, d_io,
-                                     BLOCK_N, BLOCK_SIZE, row_io)
-                    else:
-                        _issue_tma(k_src, v_src, k_smem, v_smem, ready, nxt, kv_row0, kvh, HEAD, BLOCK_N, STAGES)
-                if PAGED:
-                    async_copy.commit_group()
-                    ids_next = _block_ids(bt_row_ptr, nxt + 1, key_hi, BLOCK_N, BLOCK_SIZE, row_io)
-                else:
-                    mbarrier.wait(ready.index(j % STAGES), (j // STAGES) & 1)
-
-                s_tok = warpgroup_mma(q_smem, k_smem.index(j % STAGES).permute((1, 0)), s_zero, use_acc=False,
-                                      is_async=True)
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-                o_tok = warpgroup_mma(p_op, v_smem.index((j - 1) % STAGES), acc, is_async=True)
-                s_acc, p_op = warpgroup_mma_wait(1, deps=(s_tok, p_op))
-                s = _scores(s_acc, j, q_pos, key_hi, n_full, qk_scale, BLOCK_N, CAUSAL, s_layout)
-                m_new = gl.maximum(m_i, gl.max(s, 1))
-                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-                p = gl.exp2(s - m_safe[:, None])
-                alpha = gl.exp2(m_i - m_safe)
-                l_i = l_i * alpha + gl.sum(p, 1)
-                m_i = m_new
-                # p and l_i ride through the wait: nothing then sinks the exponentials below it
-                # (LLVM would, to their next use), so they run while the P V product does
-                acc, p_op, p, l_i = warpgroup_mma_wait(0, deps=(o_tok, p_op, p, l_i))
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                p, m_i, l_i, acc, ids_next = _step(
+                    j, p, m_i, l_i, acc, ids_next, q_smem, k_smem, v_smem, ready, s_zero, q_pos, qk_scale, n_tiles,
+                    n_full, key_hi, k_base, v_base, bt_row_ptr, r_kv, d_kv, stride_kb, stride_vb, kv_row0, kvh,
+                    STRIDE_KS, STRIDE_VS, HEAD, BLOCK_N, BLOCK_SIZE, STAGES, RPT, ALIGNED, CAUSAL, PAGED, o_layout,
+                    p_layout, s_layout)
 
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             o_tok = warpgroup_mma(p_op, v_smem.index((n_tiles - 1) % STAGES), acc, is_async=True)
@@ -376,9 +437,10 @@ def hopper_prefill(query, k_cache, v_cache, out, *, query_start_loc, seq_lens, b
     _hopper_prefill_kernel[(num_tiles * num_kv_heads,)](
         query, k_src, v_src, out, lse_arg, query_start_loc, seq_lens, bt, kv_start,
         float(scale) * LOG2E, num_seqs, num_tiles,
-        query.stride(0), query.stride(1), skb, sks, skh, svb, svs, svh,
+        query.stride(0), query.stride(1), skb, skh, svb, svh,
         out.stride(0), out.stride(1), lse_arg.stride(0), lse_arg.stride(1), sbt,
         HEAD=head_size, GROUP=group, NUM_KV_HEADS=num_kv_heads, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_SIZE=block_size, STAGES=stages, SEARCH_STEPS=search_steps, CAUSAL=bool(causal), PAGED=paged,
+        BLOCK_SIZE=block_size, STRIDE_KS=sks, STRIDE_VS=svs, STAGES=stages, SEARCH_STEPS=search_steps,
+        CAUSAL=bool(causal), PAGED=paged,
         WRITE_LSE=lse is not None, num_warps=num_warps,
     )
