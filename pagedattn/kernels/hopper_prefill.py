@@ -25,8 +25,8 @@ BLOCK_Q tokens x GROUP query heads sharing one KV head, longest causal tiles fir
 - Output normalised by the softmax sum, stored in 16-byte rows; optional natural-log LSE.
 
 Scope (everything else takes the portable kernel; `supported` says which): 16-bit queries and
-caches of the same dtype, head sizes 64 and 128 over pages (128 over contiguous keys, below
-8k), causal or not, no sliding window, ALiBi, soft cap or FP8, unsplit; Triton 3.6 on sm_90.
+caches of the same dtype, head sizes 64 and 128 over pages (128 over contiguous keys), causal or
+not, no sliding window, ALiBi, soft cap or FP8, unsplit; Triton 3.6 on sm_90.
 `PAGEDATTN_GLUON=0` turns it off.
 """
 
@@ -69,10 +69,10 @@ SHORT_TILE = (64, 3, 4)
 LONG_TILE = (128, 3, 8)
 LONG_FROM = {128: 8192}  # head size -> keys from which LONG_TILE wins (head size 64: never)
 # Contiguous keys (a step of fresh prompts, read from its own rows by TMA) take this kernel at
-# these head sizes below this many keys; the portable kernel is as fast from there (H100, 32/8/128:
-# 16x1k 378 vs 278 TFLOP/s, 4x4k 462 vs 422, 1x16k 464 vs 471; docs/PERF.md, "Gluon prefill").
+# these head sizes, at every length (H100, 32/8/128 against the portable kernel: 16x1k 378 vs 278
+# TFLOP/s, 4x4k 462 vs 422, 1x16k 504 vs 473 with LONG_TILE; docs/PERF.md, "Gluon prefill" and
+# "ninth session"). Head size 64 keeps the portable kernel there, as fast.
 CONTIGUOUS_HEAD_SIZES = (128,)
-CONTIGUOUS_BELOW = 8192
 
 
 def choose_tile(head_size: int, max_seq_len: int) -> tuple[int, int, int]:
@@ -108,9 +108,8 @@ def supported(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     and 16-element strides (cp.async and TMA move 16 bytes; Triton specialises strides divisible
     by 16)."""
     head_size = query.shape[-1]
-    keys_ok = paged or (head_size in CONTIGUOUS_HEAD_SIZES and max_seq_len < CONTIGUOUS_BELOW
-                        and k_cache.shape[0] > 0 and k_cache.stride(-2) == head_size
-                        and v_cache.stride(-2) == head_size)
+    keys_ok = paged or (head_size in CONTIGUOUS_HEAD_SIZES and k_cache.shape[0] > 0
+                        and k_cache.stride(-2) == head_size and v_cache.stride(-2) == head_size)
     return (keys_ok and head_size in HEAD_SIZES and next_pow2(max_query_len * group) > 64 and group <= 16
             and query.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == query.dtype
             and sliding_window is None and alibi_slopes is None and soft_cap is None

@@ -85,7 +85,7 @@ def test_paged_attention_takes_it_for_paged_prefills(monkeypatch, shape):
 
 
 @pytest.mark.parametrize("option", ["sliding_window", "alibi_slopes", "soft_cap", "fp32", "decode", "head_size",
-                                    "contiguous_d64", "contiguous_long", "contiguous_heads_apart",
+                                    "contiguous_d64", "contiguous_heads_apart",
                                     "contiguous_empty", "split", "stride"])
 def test_options_outside_its_scope_take_the_portable_kernel(option):
     """`supported` is False for every option the kernel lacks, so those launches keep the
@@ -107,8 +107,6 @@ def test_options_outside_its_scope_take_the_portable_kernel(option):
     elif option == "contiguous_d64":  # contiguous keys at head size 64: the portable kernel is faster
         q, k = q[..., :64].contiguous(), torch.zeros(300, 2, 64, dtype=torch.bfloat16)
         kw["paged"] = False
-    elif option == "contiguous_long":
-        k, kw["paged"], kw["max_seq_len"] = torch.zeros(300, 2, 128, dtype=torch.bfloat16), False, hp.CONTIGUOUS_BELOW
     elif option == "contiguous_empty":  # no keys at all (cross attention over nothing): no TMA descriptor
         k, kw["paged"] = torch.zeros(0, 2, 128, dtype=torch.bfloat16), False
     elif option == "contiguous_heads_apart":  # TMA reads a token's heads as one row
@@ -131,19 +129,20 @@ def test_options_outside_its_scope_take_the_portable_kernel(option):
 
 
 @on_hopper
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("causal,long", [(True, False), (False, False), (False, True)], ids=str)
 @pytest.mark.parametrize("heads", [(32, 8), (12, 4), (8, 8)], ids=str)
-def test_contiguous_keys_match_the_oracle(causal, heads):
+def test_contiguous_keys_match_the_oracle(causal, long, heads):
     """Keys as rows of the step's own K/V (TMA tiles), laid out as a fused projection's views
     (a token's K and V heads inside a wider row): fresh prompts (causal) and cross attention
-    (non-causal, other key counts, rows past a sequence belonging to the next)."""
+    (non-causal, other key counts, rows past a sequence belonging to the next); `long`: past
+    LONG_FROM keys, the other tile."""
     from oracle import dense_attention_with_lse
 
     num_heads, num_kv_heads = heads
     d = 128
     g = torch.Generator().manual_seed(5)
-    q_lens = [300, 77, 513, 1]
-    kv_lens = q_lens if causal else [40, 700, 129, 3]
+    q_lens = [300, 77, 513, 1] if not long else [70, 200]
+    kv_lens = q_lens if causal else [40, 700, 129, 3] if not long else [hp.LONG_FROM[d] + 900, 300]
     rows = torch.randn(sum(kv_lens) + 5, 3 * num_kv_heads * d, generator=g).to(torch.bfloat16).to(DEVICE)
     k, v = (rows[:, i * num_kv_heads * d:(i + 1) * num_kv_heads * d].view(-1, num_kv_heads, d) for i in (0, 1))
     q = torch.randn(sum(q_lens), num_heads, d, generator=g).to(torch.bfloat16).to(DEVICE)
