@@ -8,7 +8,9 @@ overlap"): while the softmax of key tile j runs on the CUDA cores, the tensor co
 tile j-1's P @ V, and tile j+1's S = Q K^T is issued before tile j's softmax is read back.
 
 Per program (query tile x KV head, the portable kernel's grid and GQA packing: BLOCK_M rows =
-BLOCK_Q tokens x GROUP query heads sharing one KV head, longest causal tiles first):
+BLOCK_Q tokens x GROUP query heads sharing one KV head, longest causal tiles first; a mixed
+step's decodes, one tile each, interleaved evenly among the prefill tiles so that their key
+reads run beside the prefill's products):
 - Q and key/value tiles go to shared memory, STAGES tiles in a ring: tile j-1's values (in the
   P V product), tile j, and STAGES - 2 tiles in flight. Over pages (any page size) by `cp.async`,
   a tile's block ids loaded one iteration before its copies are issued; each thread copies RPT
@@ -242,11 +244,11 @@ if GLUON:
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         return p, m_new, l_i, acc, ids_next
 
-    @gluon.jit(do_not_specialize=["num_seqs", "num_tiles", "stride_bt"])
+    @gluon.jit(do_not_specialize=["num_seqs", "num_tiles", "num_decodes", "stride_bt"])
     def _hopper_prefill_kernel(
         q_ptr, k_src, v_src, out_ptr, lse_ptr,
         query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, kv_start_loc_ptr,
-        qk_scale, num_seqs, num_tiles,
+        qk_scale, num_seqs, num_tiles, num_decodes,
         stride_qt, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
         stride_ot, stride_oh, stride_lt, stride_lh, stride_bt,
         HEAD: gl.constexpr, GROUP: gl.constexpr, NUM_KV_HEADS: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -277,9 +279,16 @@ if GLUON:
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-        # Program -> (sequence, query tile, KV head), as the portable kernel numbers them.
+        # Program -> (sequence, query tile, KV head), as the portable kernel numbers them: the
+        # query tiles of the first num_seqs sequences, longest causal rows first, with the
+        # num_decodes decodes after them (one tile each) interleaved evenly among them, so that
+        # their key reads overlap the prefill tiles' products instead of following them.
         kvh = gl.program_id(0) % NUM_KV_HEADS
-        pid = num_tiles - 1 - gl.program_id(0) // NUM_KV_HEADS
+        slot = (gl.program_id(0) // NUM_KV_HEADS).to(gl.int64)
+        decodes_upto = (slot + 1) * num_decodes // (num_tiles + num_decodes)  # decodes in slots 0..slot
+        decodes_before = slot * num_decodes // (num_tiles + num_decodes)
+        is_decode = decodes_upto > decodes_before
+        pid = (num_tiles - 1 - (slot - decodes_upto)).to(gl.int32)
         lo = pid * 0
         hi = lo + num_seqs
         for _ in gl.static_range(SEARCH_STEPS):
@@ -287,10 +296,10 @@ if GLUON:
             go_right = gl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= pid
             lo = gl.where(go_right, mid, lo)
             hi = gl.where(go_right, hi, mid)
-        b = lo
+        b = gl.where(is_decode, num_seqs + decodes_before.to(gl.int32), lo)
         q_begin = gl.load(query_start_loc_ptr + b)
         q_len = gl.load(query_start_loc_ptr + b + 1) - q_begin
-        q0 = (pid - (q_begin // BLOCK_Q + b)) * BLOCK_Q
+        q0 = gl.where(is_decode, 0, (pid - (q_begin // BLOCK_Q + b)) * BLOCK_Q)
         if q0 < q_len:
             seq_len = gl.load(seq_lens_ptr + b)
             p_first = seq_len - q_len + q0
@@ -406,10 +415,12 @@ if GLUON:
 
 
 def hopper_prefill(query, k_cache, v_cache, out, *, query_start_loc, seq_lens, block_tables, scale, causal,
-                   lse, kv_start_loc, max_seq_len: int, search_steps: int,
-                   tile: tuple[int, int, int] | None = None) -> None:
+                   lse, kv_start_loc, max_seq_len: int, search_steps: int, num_decodes: int = 0,
+                   max_decode_query_len: int = 0, tile: tuple[int, int, int] | None = None) -> None:
     """Launch the kernel; `paged_attention` has checked every argument and `supported` holds.
-    `tile` forces (BLOCK_N, STAGES, num_warps) for tuning runs."""
+    `num_decodes`: the last sequences that are decodes of at most `max_decode_query_len` tokens
+    (as `paged_attention` takes them): interleaved among the prefill tiles where one tile holds
+    each. `tile` forces (BLOCK_N, STAGES, num_warps) for tuning runs."""
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = k_cache.shape[-2]
     group = num_heads // num_kv_heads
@@ -419,7 +430,10 @@ def hopper_prefill(query, k_cache, v_cache, out, *, query_start_loc, seq_lens, b
         raise ValueError(f"expected a tile (BLOCK_N in 32/64/128, >= 3 stages, 4 or 8 warps), got {tile}")
     block_m = 16 * num_warps
     block_q = max(1, block_m // group)
-    num_tiles = num_tokens // block_q + num_seqs
+    if not (0 < num_decodes < num_seqs and max_decode_query_len <= block_q):
+        num_decodes = 0  # decodes, if any, are query tiles like the others
+    num_heavy = num_seqs - num_decodes
+    num_tiles = (num_tokens - num_decodes) // block_q + num_heavy  # >= the prefill sequences' tiles
     paged = kv_start_loc is None
     if paged:
         kv = (block_tables, seq_lens, *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0))
@@ -433,9 +447,9 @@ def hopper_prefill(query, k_cache, v_cache, out, *, query_start_loc, seq_lens, b
                                          [block_n, head_size], layout) for x in (k_cache, v_cache))
     bt, kv_start, skb, sks, skh, svb, svs, svh, sbt = kv
     lse_arg = lse if lse is not None else seq_lens.view(-1, 1)
-    _hopper_prefill_kernel[(num_tiles * num_kv_heads,)](
+    _hopper_prefill_kernel[((num_tiles + num_decodes) * num_kv_heads,)](
         query, k_src, v_src, out, lse_arg, query_start_loc, seq_lens, bt, kv_start,
-        float(scale) * LOG2E, num_seqs, num_tiles,
+        float(scale) * LOG2E, num_heavy, num_tiles, num_decodes,
         query.stride(0), query.stride(1), skb, skh, svb, svh,
         out.stride(0), out.stride(1), lse_arg.stride(0), lse_arg.stride(1), sbt,
         HEAD=head_size, GROUP=group, NUM_KV_HEADS=num_kv_heads, BLOCK_M=block_m, BLOCK_N=block_n,

@@ -309,7 +309,8 @@ def paged_attention(
         hopper_prefill.hopper_prefill(
             query, k_cache, v_cache, out, query_start_loc=query_start_loc, seq_lens=seq_lens,
             block_tables=block_tables, scale=scale, causal=causal, lse=lse, kv_start_loc=kv_start_loc,
-            max_seq_len=max_seq_len, search_steps=search_steps(num_seqs))
+            max_seq_len=max_seq_len, search_steps=search_steps(num_seqs), num_decodes=num_decodes,
+            max_decode_query_len=max_decode_query_len)
         return out
     sms = num_sms(device)
     chosen = choose_tile(head_size=head_size, group=group, max_query_len=max_query_len,
