@@ -86,3 +86,32 @@ def test_bench_rows_with_forced_splits_agree():
         torch.testing.assert_close(out, outs[0], atol=2e-3, rtol=2e-3)
     with pytest.raises(NotApplicable, match="exceed the shared workspace"):
         prepare_raw(w, 100000)
+
+
+def test_bench_raw_rows_of_a_mixed_step_agree():
+    """The raw row of a mixed case names its decodes to the launch (`num_decodes`, as the
+    `triton` backend does): the mixed launch, with the policy's tile, forced splits or a forced
+    tile, gives what the launch without decode tiles gives."""
+    import torch
+
+    pytest.importorskip("triton")
+    from pagedattn.benchmarks.kernels import cases as C
+    from pagedattn.benchmarks.kernels.raw import prepare_raw
+    from pagedattn.benchmarks.kernels.workload import make_workload
+    from pagedattn.kernels import paged_attention
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    case = C.Case("mixed", "m", ((40, 90), (0, 70), (300, 1), (65, 1)), num_heads=4, num_kv_heads=2, head_size=32,
+                  block_size=16)
+    assert case.num_seqs - case.num_prefills == 2
+    w = make_workload(case, device, num_sets=1)
+    s = w.sets[0]
+    prepare_raw(w).calls[0]()  # stores the step's K/V
+    expected = torch.full_like(s.out, float("nan"))
+    paged_attention(s.query, s.cache[0], s.cache[1], expected, query_start_loc=w.query_start_loc,
+                    seq_lens=w.seq_lens, block_tables=w.block_tables, max_query_len=case.max_query_len,
+                    max_seq_len=max(case.seq_lens), scale=w.scale, causal=True)
+    for kwargs in ({}, {"num_splits": 1}, {"tile": (32, 4, 2)}):
+        s.out.fill_(float("nan"))
+        prepare_raw(w, **kwargs).calls[0]()
+        torch.testing.assert_close(s.out.float(), expected.float(), atol=2e-3, rtol=2e-3)

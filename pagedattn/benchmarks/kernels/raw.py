@@ -3,7 +3,8 @@ launch for the whole step (prefills and decodes together), with the split-KV scr
 backend shares (`shared_workspace`). Ragged cases read the step's contiguous K/V
 (`kv_start_loc`) and store nothing. `num_splits` forces the split-KV count (the `raw-s<N>` rows
 of `--splits`) and `tile` the (keys per step, warps, stages) of the launch (the `raw-n<K>w<W>s<S>`
-rows of `--tiles`), to tune the policies against; None lets the policy choose."""
+rows of `--tiles`), to tune the policies against; None lets the policy choose. A mixed step's
+decodes are named to the launch (`num_decodes`), as the `triton` backend names them."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def prepare_raw(w: Workload, num_splits: int | None = None, tile: tuple | None =
                         scale=w.scale, causal=True, sliding_window=c.sliding_window,
                         alibi_slopes=w.alibi_slopes, soft_cap=c.soft_cap, k_scale=w.k_scale,
                         v_scale=w.v_scale, workspace=ws, kv_start_loc=kv_start, num_splits=num_splits,
-                        tile=tile)
+                        tile=tile, num_decodes=c.num_seqs - c.num_prefills if c.paged else 0)
 
     return Step([lambda s=s: call(s) for s in w.sets], lambda: w.sets[0].out,
                 store="store_kv" if c.paged else "-")
