@@ -7,24 +7,25 @@ Hopper's asynchronous warpgroup MMAs, issued FlashAttention-3's way (its "intra-
 overlap"): while the softmax of key tile j runs on the CUDA cores, the tensor cores compute
 tile j-1's P @ V, and tile j+1's S = Q K^T is issued before tile j's softmax is read back.
 
-Per program (query tile x KV head, the portable kernel's grid and GQA packing: BLOCK_M rows =
-BLOCK_Q tokens x GROUP query heads sharing one KV head, longest causal tiles first; a mixed
-step's decodes, one tile each, interleaved evenly among the prefill tiles so that their key
-reads run beside the prefill's products):
-- Q and key/value tiles go to shared memory, STAGES tiles in a ring: tile j-1's values (in the
-  P V product), tile j, and STAGES - 2 tiles in flight. Over pages (any page size) by `cp.async`,
-  a tile's block ids loaded one iteration before its copies are issued; each thread copies RPT
-  consecutive rows, which share a page wherever the page size is a multiple of RPT: one block id,
-  one 64-bit page address and compile-time row offsets a thread (the in-page row strides are
-  constexpr), and masks on the last tile only. Contiguous keys (a step's own rows) by TMA, one
-  bulk copy a tile, its slot's mbarrier completing when it lands.
-- Iteration j: wait for tile j's copies; one barrier (every warpgroup is past iteration j-1,
-  so tile j-2's slot is free: issue tile j + STAGES - 2 into it); issue S_j = Q K_j^T, then
-  O += P_{j-1} V_{j-1}; wait for S_j only; online softmax of S_j (base 2, the scale folded into
-  the exponent's FMA, masks only on tiles that need them) while P V runs; wait for it; rescale O.
-  The loop is bound by issue slots (ncu: ~0.43 instructions a cycle a scheduler, "wait" stalls
-  first), so every instruction a tile costs counts (docs/PERF.md, "ninth session").
-- Output normalised by the softmax sum, stored in 16-byte rows; optional natural-log LSE.
+Two kernels share that loop and the grid (query tile x KV head, the portable kernel's GQA
+packing: BLOCK_M rows = BLOCK_Q tokens x GROUP query heads sharing one KV head, longest causal
+tiles first; a mixed step's decodes, one tile each, interleaved evenly among the prefill tiles
+so that their key reads run beside the prefill's products):
+- head size 128: `hopper_prefill_ws.py`, warp-specialised. A producer warpgroup fills a ring of
+  key/value tiles and completes mbarriers; one or two consumer warpgroups (64 query rows each)
+  run the loop and hand slots back by mbarriers, with registers moved to them (`setmaxnreg`).
+  1.05-1.16x the kernel below at head size 128 (docs/PERF.md, "tenth session").
+- head size 64: the kernel here, one program of 4 warps (one warpgroup) doing both: key/value
+  tiles over pages (any page size) by `cp.async` into a ring of STAGES slots, a tile's block ids
+  loaded one iteration before its copies are issued, each thread copying RPT consecutive rows
+  (one block id, one 64-bit page address and compile-time row offsets where they share a page),
+  masks on the last tile only; one CTA barrier an iteration frees the slot of tile j-2 for tile
+  j + STAGES - 2. Its loop is bound by issue slots (ncu: ~0.43 instructions a cycle a
+  scheduler; docs/PERF.md, "ninth session"). At head size 64 it beats the warp-specialised
+  kernel (e.g. 16x1k paged 258 vs 220 TFLOP/s): there the products are half as long, and a
+  producer's hand-offs cost more than they hide.
+Contiguous keys (a step's own rows) come by TMA, one bulk copy a tile, completing its slot's
+mbarrier. Output normalised by the softmax sum, stored in 16-byte rows; optional natural-log LSE.
 
 Scope (everything else takes the portable kernel; `supported` says which): 16-bit queries and
 caches of the same dtype, head sizes 64 and 128 over pages (128 over contiguous keys), causal or
@@ -41,45 +42,60 @@ import torch
 import triton
 
 from ._common import INTERPRET, next_pow2
+from .hopper_parts import GLUON, LOG2E
 
-try:  # Gluon's Hopper API as of Triton 3.6; older Tritons lack it and keep the portable kernel
+if GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, tma,
-                                                                  warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    # one CTA-wide barrier: `thread_barrier` up to Triton 3.6, `barrier` from 3.7
-    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-    GLUON = True
-except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
-    GLUON = False
+
+    from .hopper_parts import (async_copy, block_ids, cta_barrier, fence_async_shared, first_softmax, issue_pages,
+                               issue_tma, mbarrier, online_softmax, program_tile, scores, warpgroup_mma,
+                               warpgroup_mma_wait)
+    from .hopper_prefill_ws import ws_kernel
 
 ENABLED: bool = os.environ.get("PAGEDATTN_GLUON", "1") != "0"
 HEAD_SIZES = (64, 128)
-LOG2E = 1.4426950408889634
+WS_HEAD_SIZES = (128,)  # head sizes the warp-specialised kernel takes
 # Gluon's API changes between Triton releases (3.7 renamed `thread_barrier`, 3.9 refuses this
 # kernel's ring allocation); the kernel is checked against 3.6, the GPU machine's Triton.
 TRITON_VERSIONS = ("3.6.",)
 
-# (BLOCK_N keys per tile, STAGES, num_warps) by head size and the longest sequence; BLOCK_M = 16 x
-# num_warps rows (one 16-row MMA slab per warp). Shared memory: Q (BLOCK_M x D) + STAGES x (K, V)
-# tiles: 224 KiB for (128, 3, 8) at head size 128 (one program an SM), 112 KiB for (64, 3, 4)
-# (two). Fitted on the H100 against the portable kernel (docs/PERF.md, "Gluon prefill"): the
-# two-program tile is faster up to 4k keys (e.g. 16x1k paged: 273 vs 253 TFLOP/s), the
-# 128-key one from 16k (1x16k: 413 vs 363).
-SHORT_TILE = (64, 3, 4)
-LONG_TILE = (128, 3, 8)
-LONG_FROM = {128: 8192}  # head size -> keys from which LONG_TILE wins (head size 64: never)
+# Tiles (BLOCK_N keys, STAGES, warps that compute): for the warp-specialised kernel, 4 or 8
+# consumer warps (one or two warpgroups, 64 rows each; a producer warpgroup comes on top); for
+# the one-warpgroup kernel, 4 or 8 warps (16 rows each). Fitted on the H100 (docs/PERF.md,
+# "tenth session"): two consumers with 64-key tiles and 4 stages (one program an SM, 160 KiB of
+# shared memory) beat one (two programs an SM) on every prefill-only case (32/8/128 paged
+# 16x1k 316 vs 308 TFLOP/s, 4x4k 436 vs 419, 1x16k 498 vs 446); with decodes in the launch one
+# consumer wins (a decode fills 4 of its 64 rows, not 4 of 128: 2k chunk + 64 decodes 311 vs 279).
+WS_TILE = (64, 4, 8)
+WS_MIXED_TILE = (64, 3, 4)
+ONE_WARPGROUP_TILE = (64, 3, 4)
+SMEM_BYTES = 227 * 1024  # shared memory one program may hold on an H100/H200
 # Contiguous keys (a step of fresh prompts, read from its own rows by TMA) take this kernel at
-# these head sizes, at every length (H100, 32/8/128 against the portable kernel: 16x1k 378 vs 278
-# TFLOP/s, 4x4k 462 vs 422, 1x16k 504 vs 473 with LONG_TILE; docs/PERF.md, "Gluon prefill" and
-# "ninth session"). Head size 64 keeps the portable kernel there, as fast.
+# these head sizes; head size 64 keeps the portable kernel there, as fast.
 CONTIGUOUS_HEAD_SIZES = (128,)
 
 
-def choose_tile(head_size: int, max_seq_len: int) -> tuple[int, int, int]:
-    start = LONG_FROM.get(head_size)
-    return LONG_TILE if start is not None and max_seq_len >= start else SHORT_TILE
+def choose_tile(head_size: int, num_decodes: int) -> tuple[int, int, int]:
+    """The policy's tile for a launch (host ints only)."""
+    if head_size in WS_HEAD_SIZES:
+        return WS_MIXED_TILE if num_decodes > 0 else WS_TILE
+    return ONE_WARPGROUP_TILE
+
+
+def check_tile(tile: tuple[int, int, int], head_size: int) -> None:
+    """Refuse a forced tile the kernel for `head_size` cannot run, with the reason."""
+    block_n, stages, warps = tile
+    ws = head_size in WS_HEAD_SIZES
+    min_stages = 2 if ws else 3  # the one-warpgroup ring holds tile j-1, tile j and one in flight
+    if block_n not in (32, 64, 128) or stages < min_stages or warps not in (4, 8):
+        raise ValueError(f"expected a tile (BLOCK_N in 32/64/128, >= {min_stages} stages, 4 or 8 warps), got {tile}")
+    rows = 64 * (warps // 4) if ws else 16 * warps
+    smem = (rows + 2 * stages * block_n) * head_size * 2
+    if smem > SMEM_BYTES - 1024:
+        raise ValueError(f"tile {tile} needs {smem // 1024} KiB of shared memory at head size {head_size}; "
+                         f"a program may hold {SMEM_BYTES // 1024 - 1}")
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -123,74 +139,6 @@ def supported(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 if GLUON:
 
     @gluon.jit
-    def _issue_pages(k_slot, v_slot, k_base, v_base, ids, t, key_hi, r, d, stride_kb, stride_vb,
-                     STRIDE_KS: gl.constexpr, STRIDE_VS: gl.constexpr, BLOCK_N: gl.constexpr,
-                     BLOCK_SIZE: gl.constexpr, RPT: gl.constexpr, ALIGNED: gl.constexpr, MASKED: gl.constexpr):
-        """Keys over pages: cp.async key tile t and its value tile (block ids `ids`, one a row,
-        rows `r` of the tile, columns `d`) into their ring slots. ALIGNED: a thread's RPT rows
-        lie in one page, so they are one address and compile-time offsets (the row strides in a
-        page are constants). MASKED (the last tile): rows past the key range read nothing and
-        fill with zeros."""
-        n = t * BLOCK_N + r
-        block = ids.to(gl.int64)
-        if ALIGNED:
-            within = (t * BLOCK_N + r // RPT * RPT) % BLOCK_SIZE  # the thread's first row's, one a thread
-            k_row = (k_base + (block * stride_kb + within * STRIDE_KS))[:, None] + d[None, :]
-            v_row = (v_base + (block * stride_vb + within * STRIDE_VS))[:, None] + d[None, :]
-            k_ptrs = k_row + ((r % RPT) * STRIDE_KS)[:, None]
-            v_ptrs = v_row + ((r % RPT) * STRIDE_VS)[:, None]
-        else:
-            within = n % BLOCK_SIZE
-            k_ptrs = (k_base + (block * stride_kb + within * STRIDE_KS))[:, None] + d[None, :]
-            v_ptrs = (v_base + (block * stride_vb + within * STRIDE_VS))[:, None] + d[None, :]
-        if MASKED:
-            ok = (n < key_hi)[:, None]
-            async_copy.async_copy_global_to_shared(k_slot, k_ptrs, mask=ok)
-            async_copy.async_copy_global_to_shared(v_slot, v_ptrs, mask=ok)
-        else:
-            async_copy.async_copy_global_to_shared(k_slot, k_ptrs)
-            async_copy.async_copy_global_to_shared(v_slot, v_ptrs)
-
-    @gluon.jit
-    def _issue_tma(k_desc, v_desc, k_smem, v_smem, ready, t, kv_row0, kvh, HEAD: gl.constexpr,
-                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """Contiguous keys: key tile t and its value tile by TMA into ring slot t % STAGES,
-        completing the slot's `ready` barrier. Rows past the sequence are the next sequence's
-        (or zeros past the tensor): finite, and masked out of the scores."""
-        slot = t % STAGES
-        bar = ready.index(slot)
-        mbarrier.expect(bar, 2 * BLOCK_N * HEAD * 2)
-        row = (kv_row0 + t * BLOCK_N).to(gl.int32)
-        tma.async_copy_global_to_shared(k_desc, [row, kvh * HEAD], bar, k_smem.index(slot))
-        tma.async_copy_global_to_shared(v_desc, [row, kvh * HEAD], bar, v_smem.index(slot))
-
-    @gluon.jit
-    def _block_ids(bt_row_ptr, t, key_hi, r, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, RPT: gl.constexpr,
-                   ALIGNED: gl.constexpr):
-        """Block ids of key tile t's rows `r` (block 0 past the key range: its rows are not read).
-        ALIGNED: every row of a thread's RPT reads its group's first row's id, one load."""
-        if ALIGNED:
-            n = t * BLOCK_N + r // RPT * RPT
-        else:
-            n = t * BLOCK_N + r
-        return gl.load(bt_row_ptr + n // BLOCK_SIZE, mask=n < key_hi, other=0)
-
-    @gluon.jit
-    def _scores(s_acc, t, q_pos, key_hi, n_full, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                layout: gl.constexpr):
-        """Scores of key tile t, unscaled (the scale folds into the exponent's FMA); tiles from
-        `n_full` on carry the causal/length mask."""
-        s = s_acc
-        if t >= n_full:
-            n = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-            if CAUSAL:
-                keep = n[None, :] <= q_pos[:, None]
-            else:  # every row sees every key, whatever its position (cross attention's may be < 0)
-                keep = (n < key_hi)[None, :]
-            s = gl.where(keep, s, float("-inf"))
-        return s
-
-    @gluon.jit
     def _step(j, p, m_i, l_i, acc, ids_next, q_smem, k_smem, v_smem, ready, s_zero, q_pos, qk_scale, n_tiles, n_full,
               key_hi, k_base, v_base, bt_row_ptr, r_kv, d_kv, stride_kb, stride_vb, kv_row0, kvh,
               STRIDE_KS: gl.constexpr, STRIDE_VS: gl.constexpr, HEAD: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -206,23 +154,23 @@ if GLUON:
         if PAGED:
             async_copy.wait_group(STAGES - 3)
             fence_async_shared()
-        _cta_barrier()
+        cta_barrier()
         nxt = j + STAGES - 2
         if PAGED:
             slot = nxt % STAGES
             if nxt < n_tiles - 1:  # rows all in range: no mask
-                _issue_pages(k_smem.index(slot), v_smem.index(slot), k_base, v_base, ids_next, nxt, key_hi, r_kv,
+                issue_pages(k_smem.index(slot), v_smem.index(slot), k_base, v_base, ids_next, nxt, key_hi, r_kv,
                              d_kv, stride_kb, stride_vb, STRIDE_KS, STRIDE_VS, BLOCK_N, BLOCK_SIZE, RPT, ALIGNED,
                              False)
             elif nxt < n_tiles:
-                _issue_pages(k_smem.index(slot), v_smem.index(slot), k_base, v_base, ids_next, nxt, key_hi, r_kv,
+                issue_pages(k_smem.index(slot), v_smem.index(slot), k_base, v_base, ids_next, nxt, key_hi, r_kv,
                              d_kv, stride_kb, stride_vb, STRIDE_KS, STRIDE_VS, BLOCK_N, BLOCK_SIZE, RPT, ALIGNED,
                              True)
             async_copy.commit_group()
-            ids_next = _block_ids(bt_row_ptr, nxt + 1, key_hi, r_kv, BLOCK_N, BLOCK_SIZE, RPT, ALIGNED)
+            ids_next = block_ids(bt_row_ptr, nxt + 1, key_hi, r_kv, BLOCK_N, BLOCK_SIZE, RPT, ALIGNED)
         else:
             if nxt < n_tiles:
-                _issue_tma(k_base, v_base, k_smem, v_smem, ready, nxt, kv_row0, kvh, HEAD, BLOCK_N, STAGES)
+                issue_tma(k_base, v_base, k_smem, v_smem, ready, nxt, kv_row0, kvh, HEAD, BLOCK_N, STAGES)
             mbarrier.wait(ready.index(j % STAGES), (j // STAGES) & 1)
 
         s_tok = warpgroup_mma(q_smem, k_smem.index(j % STAGES).permute((1, 0)), s_zero, use_acc=False,
@@ -230,14 +178,8 @@ if GLUON:
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         o_tok = warpgroup_mma(p_op, v_smem.index((j - 1) % STAGES), acc, is_async=True)
         s_acc, p_op = warpgroup_mma_wait(1, deps=(s_tok, p_op))
-        s = _scores(s_acc, j, q_pos, key_hi, n_full, BLOCK_N, CAUSAL, s_layout)
-        # base-2 exponent of the scaled scores: max on the raw scores (the scale is positive),
-        # scale and subtraction in one FMA
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(gl.fma(s, qk_scale, -m_safe[:, None]))
-        alpha = gl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + gl.sum(p, 1)
+        s = scores(s_acc, j, q_pos, key_hi, n_full, BLOCK_N, CAUSAL, s_layout)
+        p, m_new, l_i, alpha = online_softmax(s, m_i, l_i, qk_scale)
         # p and l_i ride through the wait: nothing then sinks the exponentials below it (LLVM
         # would, to their next use), so they run while the P V product does
         acc, p_op, p, l_i = warpgroup_mma_wait(0, deps=(o_tok, p_op, p, l_i))
@@ -245,7 +187,7 @@ if GLUON:
         return p, m_new, l_i, acc, ids_next
 
     @gluon.jit(do_not_specialize=["num_seqs", "num_tiles", "num_decodes", "stride_bt"])
-    def _hopper_prefill_kernel(
+    def _one_warpgroup_kernel(
         q_ptr, k_src, v_src, out_ptr, lse_ptr,
         query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, kv_start_loc_ptr,
         qk_scale, num_seqs, num_tiles, num_decodes,
@@ -279,27 +221,8 @@ if GLUON:
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-        # Program -> (sequence, query tile, KV head), as the portable kernel numbers them: the
-        # query tiles of the first num_seqs sequences, longest causal rows first, with the
-        # num_decodes decodes after them (one tile each) interleaved evenly among them, so that
-        # their key reads overlap the prefill tiles' products instead of following them.
-        kvh = gl.program_id(0) % NUM_KV_HEADS
-        slot = (gl.program_id(0) // NUM_KV_HEADS).to(gl.int64)
-        decodes_upto = (slot + 1) * num_decodes // (num_tiles + num_decodes)  # decodes in slots 0..slot
-        decodes_before = slot * num_decodes // (num_tiles + num_decodes)
-        is_decode = decodes_upto > decodes_before
-        pid = (num_tiles - 1 - (slot - decodes_upto)).to(gl.int32)
-        lo = pid * 0
-        hi = lo + num_seqs
-        for _ in gl.static_range(SEARCH_STEPS):
-            mid = (lo + hi) // 2
-            go_right = gl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= pid
-            lo = gl.where(go_right, mid, lo)
-            hi = gl.where(go_right, hi, mid)
-        b = gl.where(is_decode, num_seqs + decodes_before.to(gl.int32), lo)
-        q_begin = gl.load(query_start_loc_ptr + b)
-        q_len = gl.load(query_start_loc_ptr + b + 1) - q_begin
-        q0 = gl.where(is_decode, 0, (pid - (q_begin // BLOCK_Q + b)) * BLOCK_Q)
+        kvh, b, q_begin, q_len, q0 = program_tile(query_start_loc_ptr, num_seqs, num_tiles, num_decodes, NUM_KV_HEADS,
+                                                  BLOCK_Q, SEARCH_STEPS)
         if q0 < q_len:
             seq_len = gl.load(seq_lens_ptr + b)
             p_first = seq_len - q_len + q0
@@ -352,15 +275,15 @@ if GLUON:
             for t0 in gl.static_range(STAGES - 1):
                 if t0 < n_tiles:
                     if PAGED:
-                        ids = _block_ids(bt_row_ptr, t0, key_hi, r_kv, BLOCK_N, BLOCK_SIZE, RPT, ALIGNED)
-                        _issue_pages(k_smem.index(t0), v_smem.index(t0), k_base, v_base, ids, t0, key_hi, r_kv, d_kv,
+                        ids = block_ids(bt_row_ptr, t0, key_hi, r_kv, BLOCK_N, BLOCK_SIZE, RPT, ALIGNED)
+                        issue_pages(k_smem.index(t0), v_smem.index(t0), k_base, v_base, ids, t0, key_hi, r_kv, d_kv,
                                      stride_kb, stride_vb, STRIDE_KS, STRIDE_VS, BLOCK_N, BLOCK_SIZE, RPT,
                                      ALIGNED, True)
                     else:
-                        _issue_tma(k_src, v_src, k_smem, v_smem, ready, t0, kv_row0, kvh, HEAD, BLOCK_N, STAGES)
+                        issue_tma(k_src, v_src, k_smem, v_smem, ready, t0, kv_row0, kvh, HEAD, BLOCK_N, STAGES)
                 if PAGED:
                     async_copy.commit_group()
-            ids_next = _block_ids(bt_row_ptr, STAGES - 1, key_hi, r_kv, BLOCK_N, BLOCK_SIZE, RPT,
+            ids_next = block_ids(bt_row_ptr, STAGES - 1, key_hi, r_kv, BLOCK_N, BLOCK_SIZE, RPT,
                                   ALIGNED)  # unused over contiguous keys
 
             r_s = gl.arange(0, BLOCK_M, layout=row_s)
@@ -375,16 +298,12 @@ if GLUON:
             else:
                 async_copy.wait_group(0)  # Q
             fence_async_shared()
-            _cta_barrier()
+            cta_barrier()
             if not PAGED:
                 mbarrier.wait(ready.index(0), 0)
             s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s_acc = warpgroup_mma_wait(0, deps=(s_tok,))
-            s = _scores(s_acc, 0, q_pos, key_hi, n_full, BLOCK_N, CAUSAL, s_layout)
-            m_i = gl.max(s, 1) * qk_scale
-            m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)
-            p = gl.exp2(gl.fma(s, qk_scale, -m_safe[:, None]))
-            l_i = gl.sum(p, 1)
+            p, m_i, l_i = first_softmax(scores(s_acc, 0, q_pos, key_hi, n_full, BLOCK_N, CAUSAL, s_layout), qk_scale)
 
             for j in range(1, n_tiles):
                 p, m_i, l_i, acc, ids_next = _step(
@@ -417,18 +336,21 @@ if GLUON:
 def hopper_prefill(query, k_cache, v_cache, out, *, query_start_loc, seq_lens, block_tables, scale, causal,
                    lse, kv_start_loc, max_seq_len: int, search_steps: int, num_decodes: int = 0,
                    max_decode_query_len: int = 0, tile: tuple[int, int, int] | None = None) -> None:
-    """Launch the kernel; `paged_attention` has checked every argument and `supported` holds.
-    `num_decodes`: the last sequences that are decodes of at most `max_decode_query_len` tokens
-    (as `paged_attention` takes them): interleaved among the prefill tiles where one tile holds
-    each. `tile` forces (BLOCK_N, STAGES, num_warps) for tuning runs."""
+    """Launch the kernel for the head size; `paged_attention` has checked every argument and
+    `supported` holds. `num_decodes`: the last sequences that are decodes of at most
+    `max_decode_query_len` tokens (as `paged_attention` takes them): interleaved among the
+    prefill tiles where one tile holds each. `tile` forces (BLOCK_N, STAGES, warps) for tuning
+    runs (`check_tile` says which are valid)."""
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = k_cache.shape[-2]
     group = num_heads // num_kv_heads
     num_seqs = query_start_loc.shape[0] - 1
-    block_n, stages, num_warps = tile or choose_tile(head_size, max_seq_len)
-    if block_n not in (32, 64, 128) or stages < 3 or num_warps not in (4, 8):
-        raise ValueError(f"expected a tile (BLOCK_N in 32/64/128, >= 3 stages, 4 or 8 warps), got {tile}")
-    block_m = 16 * num_warps
+    ws = head_size in WS_HEAD_SIZES
+    if tile is None:
+        tile = choose_tile(head_size, num_decodes if 0 < num_decodes < num_seqs else 0)
+    check_tile(tile, head_size)
+    block_n, stages, warps = tile
+    block_m = 64 * (warps // 4) if ws else 16 * warps
     block_q = max(1, block_m // group)
     if not (0 < num_decodes < num_seqs and max_decode_query_len <= block_q):
         num_decodes = 0  # decodes, if any, are query tiles like the others
@@ -447,13 +369,22 @@ def hopper_prefill(query, k_cache, v_cache, out, *, query_start_loc, seq_lens, b
                                          [block_n, head_size], layout) for x in (k_cache, v_cache))
     bt, kv_start, skb, sks, skh, svb, svs, svh, sbt = kv
     lse_arg = lse if lse is not None else seq_lens.view(-1, 1)
-    _hopper_prefill_kernel[((num_tiles + num_decodes) * num_kv_heads,)](
-        query, k_src, v_src, out, lse_arg, query_start_loc, seq_lens, bt, kv_start,
-        float(scale) * LOG2E, num_heavy, num_tiles, num_decodes,
-        query.stride(0), query.stride(1), skb, skh, svb, svh,
-        out.stride(0), out.stride(1), lse_arg.stride(0), lse_arg.stride(1), sbt,
-        HEAD=head_size, GROUP=group, NUM_KV_HEADS=num_kv_heads, BLOCK_M=block_m, BLOCK_N=block_n,
+    args = (query, k_src, v_src, out, lse_arg, query_start_loc, seq_lens, bt, kv_start,
+            float(scale) * LOG2E, num_heavy, num_tiles, num_decodes,
+            query.stride(0), query.stride(1), skb, skh, svb, svh,
+            out.stride(0), out.stride(1), lse_arg.stride(0), lse_arg.stride(1), sbt)
+    grid = ((num_tiles + num_decodes) * num_kv_heads,)
+    if ws:
+        kernel = ws_kernel(head=head_size, group=group, num_kv_heads=num_kv_heads, block_n=block_n,
+                           block_size=block_size, stride_ks=sks, stride_vs=svs, stages=stages,
+                           search_steps=search_steps, causal=bool(causal), paged=paged, write_lse=lse is not None,
+                           consumers=warps // 4)
+        # one consumer: two programs an SM, so the registers are split for two (128 a thread
+        # at launch; `setmaxnreg` then moves them from the producer to the consumer)
+        kernel[grid](*args, num_warps=4, **({"maxnreg": 128} if warps == 4 else {}))
+        return
+    _one_warpgroup_kernel[grid](
+        *args, HEAD=head_size, GROUP=group, NUM_KV_HEADS=num_kv_heads, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, STRIDE_KS=sks, STRIDE_VS=svs, STAGES=stages, SEARCH_STEPS=search_steps,
-        CAUSAL=bool(causal), PAGED=paged,
-        WRITE_LSE=lse is not None, num_warps=num_warps,
+        CAUSAL=bool(causal), PAGED=paged, WRITE_LSE=lse is not None, num_warps=warps,
     )

@@ -40,9 +40,10 @@ def run_direct(args, *, scale, causal, tile, lse):
 
 
 @on_hopper
-@pytest.mark.parametrize("tile", [hp.SHORT_TILE, hp.LONG_TILE, (64, 4, 8)], ids=str)
+# tiles both kernels run (head size 128: warp-specialised, the last number its consumer warps)
+@pytest.mark.parametrize("tile", [hp.WS_TILE, hp.WS_MIXED_TILE, (128, 3, 4), (32, 4, 8)], ids=str)
 @pytest.mark.parametrize("shape", list(LENS))
-@pytest.mark.parametrize("heads", [(32, 8, 128), (8, 8, 64), (16, 1, 128), (12, 4, 64)], ids=str)
+@pytest.mark.parametrize("heads", [(32, 8, 128), (8, 8, 64), (16, 1, 128), (12, 4, 64), (12, 4, 128)], ids=str)
 @pytest.mark.parametrize("block_size", [16, 1, 64])
 def test_matches_the_oracle(tile, shape, heads, block_size):
     num_heads, num_kv_heads, head_size = heads
@@ -135,14 +136,14 @@ def test_contiguous_keys_match_the_oracle(causal, long, heads):
     """Keys as rows of the step's own K/V (TMA tiles), laid out as a fused projection's views
     (a token's K and V heads inside a wider row): fresh prompts (causal) and cross attention
     (non-causal, other key counts, rows past a sequence belonging to the next); `long`: past
-    LONG_FROM keys, the other tile."""
+    8k keys, as a long prompt's are."""
     from oracle import dense_attention_with_lse
 
     num_heads, num_kv_heads = heads
     d = 128
     g = torch.Generator().manual_seed(5)
     q_lens = [300, 77, 513, 1] if not long else [70, 200]
-    kv_lens = q_lens if causal else [40, 700, 129, 3] if not long else [hp.LONG_FROM[d] + 900, 300]
+    kv_lens = q_lens if causal else [40, 700, 129, 3] if not long else [8192 + 900, 300]
     rows = torch.randn(sum(kv_lens) + 5, 3 * num_kv_heads * d, generator=g).to(torch.bfloat16).to(DEVICE)
     k, v = (rows[:, i * num_kv_heads * d:(i + 1) * num_kv_heads * d].view(-1, num_kv_heads, d) for i in (0, 1))
     q = torch.randn(sum(q_lens), num_heads, d, generator=g).to(torch.bfloat16).to(DEVICE)
@@ -165,9 +166,20 @@ def test_contiguous_keys_match_the_oracle(causal, long, heads):
 
 
 def test_tile_policy():
-    assert hp.choose_tile(128, 1024) == hp.SHORT_TILE
-    assert hp.choose_tile(128, hp.LONG_FROM[128]) == hp.LONG_TILE
-    assert hp.choose_tile(64, 1 << 20) == hp.SHORT_TILE
+    assert hp.choose_tile(128, 0) == hp.WS_TILE
+    assert hp.choose_tile(128, 5) == hp.WS_MIXED_TILE  # decodes fill fewer rows of one consumer's tile
+    assert hp.choose_tile(64, 0) == hp.choose_tile(64, 5) == hp.ONE_WARPGROUP_TILE
+    for tile in (hp.WS_TILE, hp.WS_MIXED_TILE):
+        hp.check_tile(tile, 128)
+    hp.check_tile(hp.ONE_WARPGROUP_TILE, 64)
+
+
+@pytest.mark.parametrize("tile,head_size,match", [((64, 2, 4), 64, "stages"), ((64, 1, 8), 128, "stages"),
+                                                  ((48, 3, 4), 128, "BLOCK_N"), ((64, 3, 2), 64, "warps"),
+                                                  ((128, 4, 8), 128, "shared memory")])
+def test_check_tile_refuses_what_the_kernels_cannot_run(tile, head_size, match):
+    with pytest.raises(ValueError, match=match):
+        hp.check_tile(tile, head_size)
 
 
 def test_a_bad_forced_tile_is_refused():

@@ -1,0 +1,234 @@
+"""The warp-specialised Gluon prefill kernel for Hopper (head size 128; `hopper_prefill.py`
+launches it and owns the policy, the scope and the checks).
+
+FlashAttention-3's division of labour, without its ping-pong (measured: no gain here, see
+docs/PERF.md, "tenth session"):
+- a producer warpgroup copies Q (cp.async), then key/value tile t into ring slot t % STAGES
+  once every consumer has handed that slot back (`empty`), completing its `full` mbarrier:
+  over pages by cp.async (each producer thread's copies arrive on it when they land), over
+  contiguous keys by TMA (bytes expected);
+- one or two consumer warpgroups, 64 query rows each, run the intra-warpgroup overlapped loop of
+  the one-warpgroup kernel: wait for tile j; issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}; the
+  softmax of S_j while the second runs; hand tile j-1's slot back once it is done.
+There is no CTA barrier in the loop, and the copies' instructions leave the consumers' issue
+slots. `setmaxnreg` moves registers: 40 a producer thread, the rest to the consumers (216 with
+one consumer at two programs an SM, 232 with two at one; ptxas keeps them at ~168). At 24 the
+producer spilled where GROUP is 3, and the kernel died on an illegal instruction (H100).
+
+Constexprs are bound in a closure (`ws_kernel` builds one kernel per configuration): a
+partition's arguments reach it as run-time values in Triton 3.6, constexprs included.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from .hopper_parts import GLUON
+
+if GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    from .hopper_parts import (async_copy, block_ids, cta_barrier, fence_async_shared, first_softmax, issue_pages,
+                               issue_tma, mbarrier, online_softmax, program_tile, scores, warpgroup_mma,
+                               warpgroup_mma_wait)
+
+PRODUCER_WARPS = 4  # one warpgroup: `setmaxnreg` moves registers between whole warpgroups
+PRODUCER_REGS = 40
+CONSUMER_REGS = 232  # a worker consumer's request; the first consumer gets what is left (232 too)
+ROWS = 64  # query rows a consumer warpgroup computes
+
+
+@functools.lru_cache(maxsize=None)
+def ws_kernel(*, head: int, group: int, num_kv_heads: int, block_n: int, block_size: int, stride_ks: int,
+              stride_vs: int, stages: int, search_steps: int, causal: bool, paged: bool, write_lse: bool,
+              consumers: int):
+    """The kernel for one configuration (`consumers` warpgroups of ROWS query rows); launch it
+    with num_warps=4 (the first consumer runs in the kernel's own warps)."""
+    HEAD = gl.constexpr(head)
+    GROUP = gl.constexpr(group)
+    NUM_KV_HEADS = gl.constexpr(num_kv_heads)
+    BLOCK_N = gl.constexpr(block_n)
+    BLOCK_SIZE = gl.constexpr(block_size)
+    STRIDE_KS = gl.constexpr(stride_ks)
+    STRIDE_VS = gl.constexpr(stride_vs)
+    STAGES = gl.constexpr(stages)
+    SEARCH_STEPS = gl.constexpr(search_steps)
+    CAUSAL = gl.constexpr(causal)
+    PAGED = gl.constexpr(paged)
+    WRITE_LSE = gl.constexpr(write_lse)
+    CONSUMERS = gl.constexpr(consumers)
+    M = gl.constexpr(ROWS)
+    BLOCK_Q = gl.constexpr(max(1, ROWS * consumers // group))
+    P_WARPS = gl.constexpr(PRODUCER_WARPS)
+    P_REGS = gl.constexpr(PRODUCER_REGS)
+    C_REGS = gl.constexpr(CONSUMER_REGS)
+    P_THREADS = gl.constexpr(PRODUCER_WARPS * 32)
+    FULL_COUNT = gl.constexpr(PRODUCER_WARPS * 32 if paged else 1)  # cp.async: every producer thread arrives
+    # A consumer's layouts: the two products' accumulators (4 warps stacked along the rows), P
+    # as the second's register operand, 16 bytes a thread for global memory.
+    S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, block_n, 16]))
+    O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, head, 16]))
+    P_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT.value, k_width=2))
+    tpd = head // 8
+    IO_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // tpd, tpd],
+                                              warps_per_cta=[4, 1], order=[1, 0]))
+    # The producer's: Q rows, and key/value rows (RPT consecutive rows a thread; ALIGNED where
+    # they share a page: one block id and one page address a thread).
+    PIO_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // tpd, tpd],
+                                               warps_per_cta=[PRODUCER_WARPS, 1], order=[1, 0]))
+    rpt = max(1, block_n // (32 // tpd * PRODUCER_WARPS))
+    RPT = gl.constexpr(rpt)
+    ALIGNED = gl.constexpr(block_size % rpt == 0)
+    KV_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[rpt, 8], threads_per_warp=[32 // tpd, tpd],
+                                              warps_per_cta=[PRODUCER_WARPS, 1], order=[1, 0]))
+
+    @gluon.jit
+    def producer(q_smem, k_smem, v_smem, full, empty, q_bar, q_ptr, k_src, v_src, bt_row_ptr, q_begin, q0, q_len,
+                 key_hi, n_tiles, kv_row0, kvh, stride_qt, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh):
+        # Q: token q0 + r // GROUP, head kvh * GROUP + r % GROUP (padding rows read nothing)
+        r_io = gl.arange(0, M, layout=gl.SliceLayout(1, PIO_LAYOUT))
+        d_io = gl.arange(0, HEAD, layout=gl.SliceLayout(0, PIO_LAYOUT))
+        for c in gl.static_range(CONSUMERS):
+            r = c * M + r_io
+            tok = (q_begin + q0 + r // GROUP).to(gl.int64)
+            hd = (kvh * GROUP + r % GROUP).to(gl.int64)
+            ok = (r < BLOCK_Q * GROUP) & (q0 + r // GROUP < q_len)
+            async_copy.async_copy_global_to_shared(q_smem.index(c), q_ptr + (tok * stride_qt + hd * stride_qh)[:, None]
+                                                   + d_io[None, :], mask=ok[:, None])
+        async_copy.mbarrier_arrive(q_bar, increment_count=False)
+        if PAGED:
+            k_base = k_src + kvh.to(gl.int64) * stride_kh
+            v_base = v_src + kvh.to(gl.int64) * stride_vh
+            r_kv = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KV_LAYOUT))
+            d_kv = gl.arange(0, HEAD, layout=gl.SliceLayout(0, KV_LAYOUT))
+            ids = block_ids(bt_row_ptr, 0, key_hi, r_kv, BLOCK_N, BLOCK_SIZE, RPT, ALIGNED)
+            for t in range(n_tiles):
+                s = t % STAGES
+                # the slot's previous tile (t - STAGES) handed back by every consumer (a fresh
+                # barrier passes the wait for the phase before its first)
+                mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+                if t < n_tiles - 1:  # rows all in range: no mask
+                    issue_pages(k_smem.index(s), v_smem.index(s), k_base, v_base, ids, t, key_hi, r_kv, d_kv,
+                                stride_kb, stride_vb, STRIDE_KS, STRIDE_VS, BLOCK_N, BLOCK_SIZE, RPT, ALIGNED, False)
+                else:
+                    issue_pages(k_smem.index(s), v_smem.index(s), k_base, v_base, ids, t, key_hi, r_kv, d_kv,
+                                stride_kb, stride_vb, STRIDE_KS, STRIDE_VS, BLOCK_N, BLOCK_SIZE, RPT, ALIGNED, True)
+                async_copy.mbarrier_arrive(full.index(s), increment_count=False)
+                ids = block_ids(bt_row_ptr, t + 1, key_hi, r_kv, BLOCK_N, BLOCK_SIZE, RPT, ALIGNED)
+        else:
+            for t in range(n_tiles):
+                mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
+                issue_tma(k_src, v_src, k_smem, v_smem, full, t, kv_row0, kvh, HEAD, BLOCK_N, STAGES)
+        async_copy.wait_group(0)
+
+    @gluon.jit
+    def consumer(c, q_smem, k_smem, v_smem, full, empty, q_bar, out_ptr, lse_ptr, q_begin, q0, q_len, seq_len,
+                 key_hi, n_full, n_tiles, kvh, qk_scale, stride_ot, stride_oh, stride_lt, stride_lh):
+        dtype: gl.constexpr = q_smem.dtype
+        ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+        r_s = c * M + gl.arange(0, M, layout=ROW_S)
+        q_pos = gl.where((r_s < BLOCK_Q * GROUP) & (q0 + r_s // GROUP < q_len), seq_len - q_len + q0 + r_s // GROUP,
+                         -1)
+        s_zero = gl.zeros([M, BLOCK_N], gl.float32, S_LAYOUT)
+        acc = gl.zeros([M, HEAD], gl.float32, O_LAYOUT)
+        m_i = gl.full([M], float("-inf"), gl.float32, ROW_S)
+        l_i = gl.zeros([M], gl.float32, ROW_S)
+        qc = q_smem.index(c)
+        mbarrier.wait(q_bar, 0)
+        fence_async_shared()  # cp.async wrote Q through the generic proxy; the MMAs read it through the async one
+        if n_tiles > 0:
+            mbarrier.wait(full.index(0), 0)
+            if PAGED:
+                fence_async_shared()
+            s_tok = warpgroup_mma(qc, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s_acc = warpgroup_mma_wait(0, deps=(s_tok,))
+            p, m_i, l_i = first_softmax(scores(s_acc, 0, q_pos, key_hi, n_full, BLOCK_N, CAUSAL, S_LAYOUT), qk_scale)
+            for j in range(1, n_tiles):
+                slot = j % STAGES
+                mbarrier.wait(full.index(slot), (j // STAGES) & 1)
+                if PAGED:
+                    fence_async_shared()
+                s_tok = warpgroup_mma(qc, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
+                o_tok = warpgroup_mma(p_op, v_smem.index((j - 1) % STAGES), acc, is_async=True)
+                s_acc, p_op = warpgroup_mma_wait(1, deps=(s_tok, p_op))
+                s = scores(s_acc, j, q_pos, key_hi, n_full, BLOCK_N, CAUSAL, S_LAYOUT)
+                p, m_new, l_i, alpha = online_softmax(s, m_i, l_i, qk_scale)
+                # p and l_i ride through the wait, so the exponentials run while P V does
+                acc, p_op, p, l_i = warpgroup_mma_wait(0, deps=(o_tok, p_op, p, l_i))
+                mbarrier.arrive(empty.index((j - 1) % STAGES))  # tile j-1's slot is free
+                acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
+                m_i = m_new
+            p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
+            o_tok = warpgroup_mma(p_op, v_smem.index((n_tiles - 1) % STAGES), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(o_tok,))
+        l_o = gl.convert_layout(l_i, ROW_O)
+        empty_row = l_o == 0.0
+        o = acc / gl.where(empty_row, 1.0, l_o)[:, None]
+        # O leaves through this consumer's Q rows (read for the last time above): 16-byte rows
+        # out, and no layout-conversion scratch (two programs an SM fit with one consumer)
+        qc.store(o.to(dtype))
+        cta_barrier()
+        o_io = qc.load(IO_LAYOUT)
+        r_io = c * M + gl.arange(0, M, layout=gl.SliceLayout(1, IO_LAYOUT))
+        d_io = gl.arange(0, HEAD, layout=gl.SliceLayout(0, IO_LAYOUT))
+        tok_io = (q_begin + q0 + r_io // GROUP).to(gl.int64)
+        head_io = (kvh * GROUP + r_io % GROUP).to(gl.int64)
+        ok_io = (r_io < BLOCK_Q * GROUP) & (q0 + r_io // GROUP < q_len)
+        gl.store(out_ptr + (tok_io * stride_ot + head_io * stride_oh)[:, None] + d_io[None, :], o_io,
+                 mask=ok_io[:, None])
+        if WRITE_LSE:  # natural-log LSE of the scaled scores (m_i, l_i are base 2)
+            m_o = gl.convert_layout(m_i, ROW_O)
+            lse = gl.where(empty_row, float("-inf"), (m_o + gl.log2(gl.where(empty_row, 1.0, l_o))) * 0.6931471805599453)
+            r_o = c * M + gl.arange(0, M, layout=ROW_O)
+            tok_o = (q_begin + q0 + r_o // GROUP).to(gl.int64)
+            head_o = (kvh * GROUP + r_o % GROUP).to(gl.int64)
+            gl.store(lse_ptr + tok_o * stride_lt + head_o * stride_lh, lse,
+                     mask=(r_o < BLOCK_Q * GROUP) & (q0 + r_o // GROUP < q_len))
+
+    @gluon.jit(do_not_specialize=["num_seqs", "num_tiles", "num_decodes", "stride_bt"])
+    def kernel(q_ptr, k_src, v_src, out_ptr, lse_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+               kv_start_loc_ptr, qk_scale, num_seqs, num_tiles, num_decodes, stride_qt, stride_qh, stride_kb, stride_kh,
+               stride_vb, stride_vh, stride_ot, stride_oh, stride_lt, stride_lh, stride_bt):
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
+        kvh, b, q_begin, q_len, q0 = program_tile(query_start_loc_ptr, num_seqs, num_tiles, num_decodes, NUM_KV_HEADS,
+                                                  BLOCK_Q, SEARCH_STEPS)
+        seq_len = gl.load(seq_lens_ptr + b)
+        if CAUSAL:
+            key_hi = seq_len - q_len + gl.minimum(q0 + BLOCK_Q, q_len)  # past the tile's last row's position
+            full_hi = seq_len - q_len + q0 + 1  # keys every row of the tile sees
+        else:  # every row sees every key, whatever its position (cross attention's may be < 0)
+            key_hi = seq_len
+            full_hi = seq_len
+        n_tiles = gl.where(q0 < q_len, gl.cdiv(key_hi, BLOCK_N), 0)  # a surplus program copies and computes nothing
+        n_full = full_hi // BLOCK_N
+        bt_row_ptr = block_tables_ptr + b.to(gl.int64) * stride_bt
+        kv_row0 = b.to(gl.int64) * 0
+        if not PAGED:
+            kv_row0 = gl.load(kv_start_loc_ptr + b).to(gl.int64)
+        q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, M, HEAD], gl.NVMMASharedLayout.get_default_for([M, HEAD], dtype))
+        kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD], dtype)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD], kv_smem_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD], kv_smem_layout)
+        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(full.index(i), count=FULL_COUNT)
+            mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrival a consumer warpgroup
+        mbarrier.init(q_bar, count=P_THREADS)
+        pargs = (q_smem, k_smem, v_smem, full, empty, q_bar, q_ptr, k_src, v_src, bt_row_ptr, q_begin, q0, q_len,
+                 key_hi, n_tiles, kv_row0, kvh, stride_qt, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh)
+        cargs = (q_smem, k_smem, v_smem, full, empty, q_bar, out_ptr, lse_ptr, q_begin, q0, q_len, seq_len, key_hi,
+                 n_full, n_tiles, kvh, qk_scale, stride_ot, stride_oh, stride_lt, stride_lh)
+        if CONSUMERS == 1:
+            gl.warp_specialize([(consumer, (0, ) + cargs), (producer, pargs)], [P_WARPS], [P_REGS])
+        else:
+            gl.warp_specialize([(consumer, (0, ) + cargs), (consumer, (1, ) + cargs), (producer, pargs)],
+                               [4, P_WARPS], [C_REGS, P_REGS])
+
+    return kernel
