@@ -3,7 +3,7 @@ prefill and chunked cases of `pagedattn bench kernels`, its error against torch 
 dense copies: an independent oracle) and against the portable kernel, and its time beside the
 portable kernel and FlashInfer's wrappers, for every tile in --tiles, in one process.
 
-    python scripts/hopper_probe.py [--match TEXT] [--tiles 128,3,8 64,4,8 ...] [--json FILE]
+    python scripts/hopper_probe.py [--match TEXT] [--tiles 64,4,8 64,3,4 ...] [--json FILE]
 
 Times: median of CUDA-event intervals, cycling the workload's input sets; every side stores the
 step's K/V first where the case is paged (ours: store_kv; FlashInfer: append_paged_kv_cache).
@@ -85,8 +85,8 @@ def _tile(text: str) -> tuple[int, ...]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--match", default="")
-    ap.add_argument("--tiles", nargs="*", default=[(128, 3, 8), (64, 4, 8), (64, 3, 4)], type=_tile,
-                    help="BLOCK_N,STAGES,WARPS of each Gluon row")
+    ap.add_argument("--tiles", nargs="*", default=[(64, 4, 8), (64, 3, 4), (128, 3, 4)], type=_tile,
+                    help="BLOCK_N,STAGES,WARPS of each Gluon row (hopper_prefill.check_tile says which run)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-fi", action="store_true")
     a = ap.parse_args(argv)

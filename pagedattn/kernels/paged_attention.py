@@ -40,8 +40,9 @@ Algorithm (FlashAttention-2 with GQA packing and FlashDecoding splits):
 - On an H100/H200 a prefill-like launch over pages (mixed ones included), or one over
   contiguous keys at head size 128, that fits `hopper_prefill.supported` (16-bit, head size
   64/128, no window, ALiBi, soft cap or FP8) runs the Gluon kernel of `hopper_prefill.py`
-  instead: asynchronous warpgroup MMAs, 1.3-1.5x this loop over pages (docs/PERF.md, "Gluon
-  prefill" and "ninth session"). A forced `tile` keeps this kernel.
+  instead: asynchronous warpgroup MMAs, warp-specialised at head size 128, about 1.5x this loop
+  over pages (docs/PERF.md, "Gluon prefill", "ninth session" and "tenth session"). A forced
+  `tile` keeps this kernel.
 The per-program body lives in attention_program.py.
 """
 
@@ -303,9 +304,9 @@ def paged_attention(
             query, k_cache, v_cache, paged=paged, group=group, max_query_len=max_query_len, max_seq_len=max_seq_len,
             sliding_window=sliding_window, alibi_slopes=alibi_slopes, soft_cap=soft_cap, num_splits=num_splits)):
         # Prefill-like steps over pages on an H100/H200, mixed ones included, and those over
-        # contiguous keys at head size 128: the Gluon kernel (asynchronous warpgroup MMAs),
-        # 1.3-1.5x this one over pages, 1.07-1.36x over contiguous keys (docs/PERF.md, "Gluon
-        # prefill" and "ninth session").
+        # contiguous keys at head size 128: the Gluon kernels (asynchronous warpgroup MMAs,
+        # warp-specialised at head size 128), about 1.5x this one over pages at head size 128
+        # (docs/PERF.md, "tenth session").
         hopper_prefill.hopper_prefill(
             query, k_cache, v_cache, out, query_start_loc=query_start_loc, seq_lens=seq_lens,
             block_tables=block_tables, scale=scale, causal=causal, lse=lse, kv_start_loc=kv_start_loc,
