@@ -44,14 +44,14 @@ class TritonBackend(AttentionBackend):
 
     @classmethod
     def provider(cls) -> str:
-        """Our kernels; on an H100/H200 prefill-like steps take the Gluon sm_90 kernel,
-        elsewhere `pagedattn info` says why not."""
+        """Our kernels; on an H100/H200 prefill-like steps take the Gluon sm_90 kernels
+        (warp-specialised at head size 128), elsewhere `pagedattn info` says why not."""
         from pagedattn.kernels import hopper_prefill
 
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         reason = hopper_prefill.unavailable_reason(device)
         if reason is None:
-            return "triton; prefills on the Gluon sm_90 kernel"
+            return "triton; prefills on the Gluon sm_90 kernels (warp-specialised at head size 128)"
         return f"triton (Gluon sm_90 prefill kernel off: {reason})"
 
     @staticmethod
