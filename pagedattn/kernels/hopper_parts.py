@@ -14,7 +14,6 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     # one CTA-wide barrier (a partition's, inside warp_specialize): `thread_barrier` up to
     # Triton 3.6, `barrier` from 3.7
     cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -112,6 +111,25 @@ if GLUON:
         p = gl.exp2(gl.fma(s, qk_scale, -m_safe[:, None]))
         alpha = gl.exp2(m_i - m_safe)
         return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
+
+    @gluon.jit
+    def overlapped_tile(q_smem, k_tile, v_prev, p, m_i, l_i, acc, s_zero, j, q_pos, key_hi, n_full, qk_scale,
+                        BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr):
+        """Key tile j's step of the loop, FlashAttention-3's intra-warpgroup overlap: issue
+        S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, wait for S_j only, run tile j's online
+        softmax while the second product runs, wait for it. Returns (p, m_new, l_new, O, alpha):
+        O is not yet rescaled by alpha, so the caller can first hand tile j-1's slot back."""
+        dtype: gl.constexpr = q_smem.dtype
+        s_tok = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        o_tok = warpgroup_mma(p_op, v_prev, acc, is_async=True)
+        s_acc, p_op = warpgroup_mma_wait(1, deps=(s_tok, p_op))
+        s = scores(s_acc, j, q_pos, key_hi, n_full, BLOCK_N, CAUSAL, s_layout)
+        p, m_new, l_i, alpha = online_softmax(s, m_i, l_i, qk_scale)
+        # p and l_i ride through the wait: nothing then sinks the exponentials below it (LLVM
+        # would, to their next use), so they run while the P V product does
+        acc, p_op, p, l_i = warpgroup_mma_wait(0, deps=(o_tok, p_op, p, l_i))
+        return p, m_new, l_i, acc, alpha
 
     @gluon.jit
     def program_tile(query_start_loc_ptr, num_seqs, num_tiles, num_decodes, NUM_KV_HEADS: gl.constexpr,

@@ -50,7 +50,7 @@ if GLUON:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .hopper_parts import (async_copy, block_ids, cta_barrier, fence_async_shared, first_softmax, issue_pages,
-                               issue_tma, mbarrier, online_softmax, program_tile, scores, warpgroup_mma,
+                               issue_tma, mbarrier, overlapped_tile, program_tile, scores, warpgroup_mma,
                                warpgroup_mma_wait)
     from .hopper_prefill_ws import ws_kernel
 
@@ -147,7 +147,6 @@ if GLUON:
               s_layout: gl.constexpr):
         """Iteration j of the key loop: S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued together,
         tile j's online softmax while the second runs; returns tile j's P and the running state."""
-        dtype: gl.constexpr = q_smem.dtype
         # Tile j landed (its copy group is the oldest pending); after the barrier every
         # warpgroup has finished iteration j-1, so tile j-2's slot is free for tile
         # j + STAGES - 2. Contiguous tiles: TMA, and tile j's barrier.
@@ -160,12 +159,12 @@ if GLUON:
             slot = nxt % STAGES
             if nxt < n_tiles - 1:  # rows all in range: no mask
                 issue_pages(k_smem.index(slot), v_smem.index(slot), k_base, v_base, ids_next, nxt, key_hi, r_kv,
-                             d_kv, stride_kb, stride_vb, STRIDE_KS, STRIDE_VS, BLOCK_N, BLOCK_SIZE, RPT, ALIGNED,
-                             False)
+                            d_kv, stride_kb, stride_vb, STRIDE_KS, STRIDE_VS, BLOCK_N, BLOCK_SIZE, RPT, ALIGNED,
+                            False)
             elif nxt < n_tiles:
                 issue_pages(k_smem.index(slot), v_smem.index(slot), k_base, v_base, ids_next, nxt, key_hi, r_kv,
-                             d_kv, stride_kb, stride_vb, STRIDE_KS, STRIDE_VS, BLOCK_N, BLOCK_SIZE, RPT, ALIGNED,
-                             True)
+                            d_kv, stride_kb, stride_vb, STRIDE_KS, STRIDE_VS, BLOCK_N, BLOCK_SIZE, RPT, ALIGNED,
+                            True)
             async_copy.commit_group()
             ids_next = block_ids(bt_row_ptr, nxt + 1, key_hi, r_kv, BLOCK_N, BLOCK_SIZE, RPT, ALIGNED)
         else:
@@ -173,16 +172,9 @@ if GLUON:
                 issue_tma(k_base, v_base, k_smem, v_smem, ready, nxt, kv_row0, kvh, HEAD, BLOCK_N, STAGES)
             mbarrier.wait(ready.index(j % STAGES), (j // STAGES) & 1)
 
-        s_tok = warpgroup_mma(q_smem, k_smem.index(j % STAGES).permute((1, 0)), s_zero, use_acc=False,
-                              is_async=True)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        o_tok = warpgroup_mma(p_op, v_smem.index((j - 1) % STAGES), acc, is_async=True)
-        s_acc, p_op = warpgroup_mma_wait(1, deps=(s_tok, p_op))
-        s = scores(s_acc, j, q_pos, key_hi, n_full, BLOCK_N, CAUSAL, s_layout)
-        p, m_new, l_i, alpha = online_softmax(s, m_i, l_i, qk_scale)
-        # p and l_i ride through the wait: nothing then sinks the exponentials below it (LLVM
-        # would, to their next use), so they run while the P V product does
-        acc, p_op, p, l_i = warpgroup_mma_wait(0, deps=(o_tok, p_op, p, l_i))
+        p, m_new, l_i, acc, alpha = overlapped_tile(q_smem, k_smem.index(j % STAGES), v_smem.index((j - 1) % STAGES), p,
+                                                    m_i, l_i, acc, s_zero, j, q_pos, key_hi, n_full, qk_scale, BLOCK_N,
+                                                    CAUSAL, s_layout, p_layout)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         return p, m_new, l_i, acc, ids_next
 

@@ -30,7 +30,7 @@ if GLUON:
     from triton.experimental.gluon import language as gl
 
     from .hopper_parts import (async_copy, block_ids, cta_barrier, fence_async_shared, first_softmax, issue_pages,
-                               issue_tma, mbarrier, online_softmax, program_tile, scores, warpgroup_mma,
+                               issue_tma, mbarrier, overlapped_tile, program_tile, scores, warpgroup_mma,
                                warpgroup_mma_wait)
 
 PRODUCER_WARPS = 4  # one warpgroup: `setmaxnreg` moves registers between whole warpgroups
@@ -152,14 +152,9 @@ def ws_kernel(*, head: int, group: int, num_kv_heads: int, block_n: int, block_s
                 mbarrier.wait(full.index(slot), (j // STAGES) & 1)
                 if PAGED:
                     fence_async_shared()
-                s_tok = warpgroup_mma(qc, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
-                o_tok = warpgroup_mma(p_op, v_smem.index((j - 1) % STAGES), acc, is_async=True)
-                s_acc, p_op = warpgroup_mma_wait(1, deps=(s_tok, p_op))
-                s = scores(s_acc, j, q_pos, key_hi, n_full, BLOCK_N, CAUSAL, S_LAYOUT)
-                p, m_new, l_i, alpha = online_softmax(s, m_i, l_i, qk_scale)
-                # p and l_i ride through the wait, so the exponentials run while P V does
-                acc, p_op, p, l_i = warpgroup_mma_wait(0, deps=(o_tok, p_op, p, l_i))
+                p, m_new, l_i, acc, alpha = overlapped_tile(qc, k_smem.index(slot), v_smem.index((j - 1) % STAGES), p,
+                                                            m_i, l_i, acc, s_zero, j, q_pos, key_hi, n_full, qk_scale,
+                                                            BLOCK_N, CAUSAL, S_LAYOUT, P_LAYOUT)
                 mbarrier.arrive(empty.index((j - 1) % STAGES))  # tile j-1's slot is free
                 acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
                 m_i = m_new
@@ -183,7 +178,8 @@ def ws_kernel(*, head: int, group: int, num_kv_heads: int, block_n: int, block_s
                  mask=ok_io[:, None])
         if WRITE_LSE:  # natural-log LSE of the scaled scores (m_i, l_i are base 2)
             m_o = gl.convert_layout(m_i, ROW_O)
-            lse = gl.where(empty_row, float("-inf"), (m_o + gl.log2(gl.where(empty_row, 1.0, l_o))) * 0.6931471805599453)
+            lse = gl.where(empty_row, float("-inf"),
+                           (m_o + gl.log2(gl.where(empty_row, 1.0, l_o))) * 0.6931471805599453)
             r_o = c * M + gl.arange(0, M, layout=ROW_O)
             tok_o = (q_begin + q0 + r_o // GROUP).to(gl.int64)
             head_o = (kvh * GROUP + r_o % GROUP).to(gl.int64)
@@ -210,7 +206,8 @@ def ws_kernel(*, head: int, group: int, num_kv_heads: int, block_n: int, block_s
         kv_row0 = b.to(gl.int64) * 0
         if not PAGED:
             kv_row0 = gl.load(kv_start_loc_ptr + b).to(gl.int64)
-        q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, M, HEAD], gl.NVMMASharedLayout.get_default_for([M, HEAD], dtype))
+        q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, M, HEAD],
+                                           gl.NVMMASharedLayout.get_default_for([M, HEAD], dtype))
         kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD], dtype)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD], kv_smem_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD], kv_smem_layout)
