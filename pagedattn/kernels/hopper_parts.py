@@ -27,16 +27,16 @@ if GLUON:
 
     @gluon.jit
     def issue_pages(k_slot, v_slot, k_base, v_base, ids, t, key_hi, r, d, stride_kb, stride_vb,
-                     STRIDE_KS: gl.constexpr, STRIDE_VS: gl.constexpr, BLOCK_N: gl.constexpr,
-                     BLOCK_SIZE: gl.constexpr, RPT: gl.constexpr, ALIGNED: gl.constexpr, MASKED: gl.constexpr):
+                    STRIDE_KS: gl.constexpr, STRIDE_VS: gl.constexpr, BLOCK_N: gl.constexpr,
+                    BLOCK_SIZE: gl.constexpr, RPT: gl.constexpr, MASKED: gl.constexpr):
         """Keys over pages: cp.async key tile t and its value tile (block ids `ids`, one a row,
-        rows `r` of the tile, columns `d`) into their ring slots. ALIGNED: a thread's RPT rows
-        lie in one page, so they are one address and compile-time offsets (the row strides in a
-        page are constants). MASKED (the last tile): rows past the key range read nothing and
-        fill with zeros."""
+        rows `r` of the tile, columns `d`; RPT consecutive rows a thread) into their ring
+        slots. Where the page size is a multiple of RPT, a thread's rows lie in one page, so they
+        are one address and compile-time offsets (the row strides in a page are constants).
+        MASKED (the last tile): rows past the key range read nothing and fill with zeros."""
         n = t * BLOCK_N + r
         block = ids.to(gl.int64)
-        if ALIGNED:
+        if BLOCK_SIZE % RPT == 0:
             within = (t * BLOCK_N + r // RPT * RPT) % BLOCK_SIZE  # the thread's first row's, one a thread
             k_row = (k_base + (block * stride_kb + within * STRIDE_KS))[:, None] + d[None, :]
             v_row = (v_base + (block * stride_vb + within * STRIDE_VS))[:, None] + d[None, :]
@@ -56,7 +56,7 @@ if GLUON:
 
     @gluon.jit
     def issue_tma(k_desc, v_desc, k_smem, v_smem, ready, t, kv_row0, kvh, HEAD: gl.constexpr,
-                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         """Contiguous keys: key tile t and its value tile by TMA into ring slot t % STAGES,
         completing the slot's `ready` barrier. Rows past the sequence are the next sequence's
         (or zeros past the tensor): finite, and masked out of the scores."""
@@ -68,11 +68,11 @@ if GLUON:
         tma.async_copy_global_to_shared(v_desc, [row, kvh * HEAD], bar, v_smem.index(slot))
 
     @gluon.jit
-    def block_ids(bt_row_ptr, t, key_hi, r, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, RPT: gl.constexpr,
-                   ALIGNED: gl.constexpr):
+    def block_ids(bt_row_ptr, t, key_hi, r, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, RPT: gl.constexpr):
         """Block ids of key tile t's rows `r` (block 0 past the key range: its rows are not read).
-        ALIGNED: every row of a thread's RPT reads its group's first row's id, one load."""
-        if ALIGNED:
+        Where a thread's RPT rows share a page (`issue_pages`), they read their first row's id:
+        one load."""
+        if BLOCK_SIZE % RPT == 0:
             n = t * BLOCK_N + r // RPT * RPT
         else:
             n = t * BLOCK_N + r

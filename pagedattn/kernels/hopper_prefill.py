@@ -142,7 +142,7 @@ if GLUON:
     def _step(j, p, m_i, l_i, acc, ids_next, q_smem, k_smem, v_smem, ready, s_zero, q_pos, qk_scale, n_tiles, n_full,
               key_hi, k_base, v_base, bt_row_ptr, r_kv, d_kv, stride_kb, stride_vb, kv_row0, kvh,
               STRIDE_KS: gl.constexpr, STRIDE_VS: gl.constexpr, HEAD: gl.constexpr, BLOCK_N: gl.constexpr,
-              BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr, RPT: gl.constexpr, ALIGNED: gl.constexpr,
+              BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr, RPT: gl.constexpr,
               CAUSAL: gl.constexpr, PAGED: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
               s_layout: gl.constexpr):
         """Iteration j of the key loop: S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued together,
@@ -159,14 +159,14 @@ if GLUON:
             slot = nxt % STAGES
             if nxt < n_tiles - 1:  # rows all in range: no mask
                 issue_pages(k_smem.index(slot), v_smem.index(slot), k_base, v_base, ids_next, nxt, key_hi, r_kv,
-                            d_kv, stride_kb, stride_vb, STRIDE_KS, STRIDE_VS, BLOCK_N, BLOCK_SIZE, RPT, ALIGNED,
+                            d_kv, stride_kb, stride_vb, STRIDE_KS, STRIDE_VS, BLOCK_N, BLOCK_SIZE, RPT,
                             False)
             elif nxt < n_tiles:
                 issue_pages(k_smem.index(slot), v_smem.index(slot), k_base, v_base, ids_next, nxt, key_hi, r_kv,
-                            d_kv, stride_kb, stride_vb, STRIDE_KS, STRIDE_VS, BLOCK_N, BLOCK_SIZE, RPT, ALIGNED,
+                            d_kv, stride_kb, stride_vb, STRIDE_KS, STRIDE_VS, BLOCK_N, BLOCK_SIZE, RPT,
                             True)
             async_copy.commit_group()
-            ids_next = block_ids(bt_row_ptr, nxt + 1, key_hi, r_kv, BLOCK_N, BLOCK_SIZE, RPT, ALIGNED)
+            ids_next = block_ids(bt_row_ptr, nxt + 1, key_hi, r_kv, BLOCK_N, BLOCK_SIZE, RPT)
         else:
             if nxt < n_tiles:
                 issue_tma(k_base, v_base, k_smem, v_smem, ready, nxt, kv_row0, kvh, HEAD, BLOCK_N, STAGES)
@@ -205,9 +205,8 @@ if GLUON:
         row_io: gl.constexpr = gl.SliceLayout(1, io_layout)
         col_io: gl.constexpr = gl.SliceLayout(0, io_layout)
         # Key/value tiles over pages: each thread copies RPT consecutive rows; where they lie in
-        # one page (ALIGNED), a tile costs a thread one block id and one 64-bit product.
+        # one page (`issue_pages`), a tile costs a thread one block id and one 64-bit product.
         RPT: gl.constexpr = BLOCK_N // (32 // TPD * num_warps)
-        ALIGNED: gl.constexpr = BLOCK_SIZE % RPT == 0
         kv_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[RPT, 8], threads_per_warp=[32 // TPD, TPD],
                                                    warps_per_cta=[num_warps, 1], order=[1, 0])
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -267,16 +266,15 @@ if GLUON:
             for t0 in gl.static_range(STAGES - 1):
                 if t0 < n_tiles:
                     if PAGED:
-                        ids = block_ids(bt_row_ptr, t0, key_hi, r_kv, BLOCK_N, BLOCK_SIZE, RPT, ALIGNED)
+                        ids = block_ids(bt_row_ptr, t0, key_hi, r_kv, BLOCK_N, BLOCK_SIZE, RPT)
                         issue_pages(k_smem.index(t0), v_smem.index(t0), k_base, v_base, ids, t0, key_hi, r_kv, d_kv,
-                                     stride_kb, stride_vb, STRIDE_KS, STRIDE_VS, BLOCK_N, BLOCK_SIZE, RPT,
-                                     ALIGNED, True)
+                                    stride_kb, stride_vb, STRIDE_KS, STRIDE_VS, BLOCK_N, BLOCK_SIZE, RPT, True)
                     else:
                         issue_tma(k_src, v_src, k_smem, v_smem, ready, t0, kv_row0, kvh, HEAD, BLOCK_N, STAGES)
                 if PAGED:
                     async_copy.commit_group()
-            ids_next = block_ids(bt_row_ptr, STAGES - 1, key_hi, r_kv, BLOCK_N, BLOCK_SIZE, RPT,
-                                  ALIGNED)  # unused over contiguous keys
+            ids_next = block_ids(bt_row_ptr, STAGES - 1, key_hi, r_kv, BLOCK_N, BLOCK_SIZE,
+                                 RPT)  # unused over contiguous keys
 
             r_s = gl.arange(0, BLOCK_M, layout=row_s)
             q_pos = gl.where((r_s < BLOCK_Q * GROUP) & (q0 + r_s // GROUP < q_len), seq_len - q_len + q0 + r_s // GROUP,
@@ -301,7 +299,7 @@ if GLUON:
                 p, m_i, l_i, acc, ids_next = _step(
                     j, p, m_i, l_i, acc, ids_next, q_smem, k_smem, v_smem, ready, s_zero, q_pos, qk_scale, n_tiles,
                     n_full, key_hi, k_base, v_base, bt_row_ptr, r_kv, d_kv, stride_kb, stride_vb, kv_row0, kvh,
-                    STRIDE_KS, STRIDE_VS, HEAD, BLOCK_N, BLOCK_SIZE, STAGES, RPT, ALIGNED, CAUSAL, PAGED, o_layout,
+                    STRIDE_KS, STRIDE_VS, HEAD, BLOCK_N, BLOCK_SIZE, STAGES, RPT, CAUSAL, PAGED, o_layout,
                     p_layout, s_layout)
 
             p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -339,7 +337,7 @@ def hopper_prefill(query, k_cache, v_cache, out, *, query_start_loc, seq_lens, b
     num_seqs = query_start_loc.shape[0] - 1
     ws = head_size in WS_HEAD_SIZES
     if tile is None:
-        tile = choose_tile(head_size, num_decodes if 0 < num_decodes < num_seqs else 0)
+        tile = choose_tile(head_size, num_decodes)
     check_tile(tile, head_size)
     block_n, stages, warps = tile
     block_m = 64 * (warps // 4) if ws else 16 * warps

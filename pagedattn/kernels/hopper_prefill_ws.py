@@ -75,13 +75,12 @@ def ws_kernel(*, head: int, group: int, num_kv_heads: int, block_n: int, block_s
     tpd = head // 8
     IO_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // tpd, tpd],
                                               warps_per_cta=[4, 1], order=[1, 0]))
-    # The producer's: Q rows, and key/value rows (RPT consecutive rows a thread; ALIGNED where
-    # they share a page: one block id and one page address a thread).
+    # The producer's: Q rows, and key/value rows (RPT consecutive rows a thread; where they
+    # share a page, one block id and one page address a thread: `issue_pages`).
     PIO_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // tpd, tpd],
                                                warps_per_cta=[PRODUCER_WARPS, 1], order=[1, 0]))
     rpt = max(1, block_n // (32 // tpd * PRODUCER_WARPS))
     RPT = gl.constexpr(rpt)
-    ALIGNED = gl.constexpr(block_size % rpt == 0)
     KV_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[rpt, 8], threads_per_warp=[32 // tpd, tpd],
                                               warps_per_cta=[PRODUCER_WARPS, 1], order=[1, 0]))
 
@@ -104,7 +103,7 @@ def ws_kernel(*, head: int, group: int, num_kv_heads: int, block_n: int, block_s
             v_base = v_src + kvh.to(gl.int64) * stride_vh
             r_kv = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KV_LAYOUT))
             d_kv = gl.arange(0, HEAD, layout=gl.SliceLayout(0, KV_LAYOUT))
-            ids = block_ids(bt_row_ptr, 0, key_hi, r_kv, BLOCK_N, BLOCK_SIZE, RPT, ALIGNED)
+            ids = block_ids(bt_row_ptr, 0, key_hi, r_kv, BLOCK_N, BLOCK_SIZE, RPT)
             for t in range(n_tiles):
                 s = t % STAGES
                 # the slot's previous tile (t - STAGES) handed back by every consumer (a fresh
@@ -112,12 +111,12 @@ def ws_kernel(*, head: int, group: int, num_kv_heads: int, block_n: int, block_s
                 mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
                 if t < n_tiles - 1:  # rows all in range: no mask
                     issue_pages(k_smem.index(s), v_smem.index(s), k_base, v_base, ids, t, key_hi, r_kv, d_kv,
-                                stride_kb, stride_vb, STRIDE_KS, STRIDE_VS, BLOCK_N, BLOCK_SIZE, RPT, ALIGNED, False)
+                                stride_kb, stride_vb, STRIDE_KS, STRIDE_VS, BLOCK_N, BLOCK_SIZE, RPT, False)
                 else:
                     issue_pages(k_smem.index(s), v_smem.index(s), k_base, v_base, ids, t, key_hi, r_kv, d_kv,
-                                stride_kb, stride_vb, STRIDE_KS, STRIDE_VS, BLOCK_N, BLOCK_SIZE, RPT, ALIGNED, True)
+                                stride_kb, stride_vb, STRIDE_KS, STRIDE_VS, BLOCK_N, BLOCK_SIZE, RPT, True)
                 async_copy.mbarrier_arrive(full.index(s), increment_count=False)
-                ids = block_ids(bt_row_ptr, t + 1, key_hi, r_kv, BLOCK_N, BLOCK_SIZE, RPT, ALIGNED)
+                ids = block_ids(bt_row_ptr, t + 1, key_hi, r_kv, BLOCK_N, BLOCK_SIZE, RPT)
         else:
             for t in range(n_tiles):
                 mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
