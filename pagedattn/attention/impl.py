@@ -4,11 +4,12 @@
 1. check the inputs against the layer and the step (shapes, dtypes, the cache's layout, and the
    step's largest block id against the cache's pool: host ints, no synchronisation);
 2. take the step's FP8 scales (`KVScales`, one per layer);
-3. store the step's K/V once, at `slot_mapping` (DECODER) or `cross_slot_mapping`
-   (ENCODER_DECODER), through `_store` on the K/V halves `Backend.split_kv_cache` gives, viewed
-   as [num_blocks, block_size, Hkv, D];
-4. resolve where each query attends (`AttendCall`s: the cache through the step's block tables,
+3. resolve where each query attends (`AttendCall`s: the cache through the step's block tables,
    the cache through the cross tables, or the step's own K/V rows);
+4. store the step's K/V once, at `slot_mapping` (DECODER) or `cross_slot_mapping`
+   (ENCODER_DECODER), through `_store` on the K/V halves `Backend.split_kv_cache` gives, viewed
+   as [num_blocks, block_size, Hkv, D]; or, where the backend says so (`_stores_in_attend`: a
+   call that reads only the step's own rows), in that call (`AttendCall.store_slots`);
 5. call the backend's `_attend` for each.
 A backend implements `_attend` (and `_store` when it has its own store kernel); backends that
 run the prefill and decode parts of a step separately set `split_parts`.
@@ -16,6 +17,7 @@ run the prefill and decode parts of a step separately set `split_parts`.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -63,6 +65,7 @@ class AttendCall:
     v: torch.Tensor
     step_k: torch.Tensor | None = None  # [Tc, Hkv, D] the step's own K/V rows of these queries
     step_v: torch.Tensor | None = None  # (Source.CACHE calls; a fresh prompt's keys are exactly these)
+    store_slots: torch.Tensor | None = None  # the call also writes step_k/step_v into k/v at these slots
 
     @property
     def is_prefill_part(self) -> bool:
@@ -203,10 +206,15 @@ class AttentionImpl:
             # (xformers) cannot name Hkv and D itself, the layer can.
             k_cache, v_cache = (x.view(x.shape[0], md.block_size, self.num_kv_heads, self.head_size)
                                 for x in self.backend.split_kv_cache(kv_cache))
+        calls = self._calls(q, k, v, k_cache, v_cache, md)
+        if cached:
             slots, cross = (md.slot_mapping, False) if self.attn_type is AttentionType.DECODER else (md.cross_slot_mapping, True)
             if k is not None and slots is not None:
-                self._store(k, v, k_cache, v_cache, slots, scales, md, cross)
-        for call in self._calls(q, k, v, k_cache, v_cache, md):
+                if self._stores_in_attend(calls):
+                    calls = [dataclasses.replace(calls[0], store_slots=slots)]
+                else:
+                    self._store(k, v, k_cache, v_cache, slots, scales, md, cross)
+        for call in calls:
             if call.rows.start != call.rows.stop:
                 self._attend(q[call.rows], o[call.rows], call, kv_cache if cached else None, scales)
         return out
@@ -218,6 +226,12 @@ class AttentionImpl:
         plan = md.cross_store_plan() if cross else md.store_plan()
         ks, vs = (scales.k, scales.v) if scales is not None else (1.0, 1.0)
         store_kv(k, v, k_cache, v_cache, slots, ks, vs, plan)
+
+    def _stores_in_attend(self, calls: list[AttendCall]) -> bool:
+        """Whether `_attend` writes the step's K/V itself, in the one call of `calls` (which then
+        reads only the step's rows, `keys_are_step_rows`: no call reads the cache before the
+        store). False here: `_store` runs first."""
+        return False
 
     def _attend(self, q: torch.Tensor, out: torch.Tensor, call: AttendCall, kv_cache: torch.Tensor | None,
                 scales: KVScales | None) -> None:

@@ -43,6 +43,7 @@ import triton
 
 from ._common import INTERPRET, next_pow2
 from .hopper_parts import GLUON, LOG2E
+from .store_kv import StoreTarget
 
 if GLUON:
     from triton.experimental import gluon
@@ -323,14 +324,25 @@ if GLUON:
                          mask=(r_o < BLOCK_Q * GROUP) & (q0 + r_o // GROUP < q_len))
 
 
+def stores_rows(query: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, store: StoreTarget) -> bool:
+    """Whether a launch over contiguous rows (`supported` holds) writes them into `store`'s
+    pages itself: the warp-specialised kernel's producer can, into 16-bit pages of the query's
+    dtype, with K and V of the same strides (rows and pages) and the head's elements adjacent."""
+    k_pages, v_pages, _ = store
+    return (query.shape[-1] in WS_HEAD_SIZES and k_pages.dtype == query.dtype and k_pages.stride() == v_pages.stride()
+            and k_pages.stride(-1) == 1 and k_rows.stride() == v_rows.stride())
+
+
 def hopper_prefill(query, k_cache, v_cache, out, *, query_start_loc, seq_lens, block_tables, scale, causal,
                    lse, kv_start_loc, max_seq_len: int, search_steps: int, num_decodes: int = 0,
-                   max_decode_query_len: int = 0, tile: tuple[int, int, int] | None = None) -> None:
+                   max_decode_query_len: int = 0, tile: tuple[int, int, int] | None = None,
+                   store: StoreTarget | None = None) -> None:
     """Launch the kernel for the head size; `paged_attention` has checked every argument and
     `supported` holds. `num_decodes`: the last sequences that are decodes of at most
     `max_decode_query_len` tokens (as `paged_attention` takes them): interleaved among the
     prefill tiles where one tile holds each. `tile` forces (BLOCK_N, STAGES, warps) for tuning
-    runs (`check_tile` says which are valid)."""
+    runs (`check_tile` says which are valid). `store` (contiguous rows, `stores_rows` holds):
+    the producer also writes each program's rows into those pages."""
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = k_cache.shape[-2]
     group = num_heads // num_kv_heads
@@ -351,8 +363,10 @@ def hopper_prefill(query, k_cache, v_cache, out, *, query_start_loc, seq_lens, b
         kv = (block_tables, seq_lens, *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0))
         block_size = k_cache.shape[1]
         k_src, v_src = k_cache, v_cache
-    else:  # contiguous rows [total_kv, Hkv, D], read by TMA as [total_kv, Hkv * D] tiles
-        kv = (seq_lens, kv_start_loc, 0, 0, 0, 0, 0, 0, 0)
+    else:  # contiguous rows [total_kv, Hkv, D], read by TMA as [total_kv, Hkv * D] tiles (and by
+        # the producer's row store, through their strides)
+        kv = (seq_lens, kv_start_loc, k_cache.stride(0), 0, k_cache.stride(1), v_cache.stride(0), 0,
+              v_cache.stride(1), 0)
         block_size = 1
         layout = gl.NVMMASharedLayout.get_default_for([block_n, head_size], gl.float16)  # 16-bit
         k_src, v_src = (TensorDescriptor(x, [x.shape[0], num_kv_heads * head_size], [x.stride(0), 1],
@@ -363,15 +377,22 @@ def hopper_prefill(query, k_cache, v_cache, out, *, query_start_loc, seq_lens, b
             float(scale) * LOG2E, num_heavy, num_tiles, num_decodes,
             query.stride(0), query.stride(1), skb, skh, svb, svh,
             out.stride(0), out.stride(1), lse_arg.stride(0), lse_arg.stride(1), sbt)
+    if store is not None:
+        k_pages, v_pages, slots = store
+        store_args = (k_cache, v_cache, slots, k_pages, v_pages, *k_pages.stride()[:3])
+        store_block_size = k_pages.shape[1]
+    else:  # never read
+        store_args = (query, query, seq_lens, query, query, 0, 0, 0)
+        store_block_size = 0
     grid = ((num_tiles + num_decodes) * num_kv_heads,)
     if ws:
         kernel = ws_kernel(head=head_size, group=group, num_kv_heads=num_kv_heads, block_n=block_n,
                            block_size=block_size, stride_ks=sks, stride_vs=svs, stages=stages,
                            search_steps=search_steps, causal=bool(causal), paged=paged, write_lse=lse is not None,
-                           consumers=warps // 4)
+                           consumers=warps // 4, store_block_size=store_block_size)
         # one consumer: two programs an SM, so the registers are split for two (128 a thread
         # at launch; `setmaxnreg` then moves them from the producer to the consumer)
-        kernel[grid](*args, num_warps=4, **({"maxnreg": 128} if warps == 4 else {}))
+        kernel[grid](*args, *store_args, num_warps=4, **({"maxnreg": 128} if warps == 4 else {}))
         return
     _one_warpgroup_kernel[grid](
         *args, HEAD=head_size, GROUP=group, NUM_KV_HEADS=num_kv_heads, BLOCK_M=block_m, BLOCK_N=block_n,

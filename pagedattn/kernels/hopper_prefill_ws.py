@@ -6,12 +6,13 @@ docs/PERF.md, "tenth session"):
 - a producer warpgroup copies Q (cp.async), then key/value tile t into ring slot t % STAGES
   once every consumer has handed that slot back (`empty`), completing its `full` mbarrier:
   over pages by cp.async (each producer thread's copies arrive on it when they land), over
-  contiguous keys by TMA (bytes expected);
+  contiguous keys by TMA (bytes expected); over contiguous keys it may also write its tile's
+  own rows into the paged cache (`store_rows`) while the consumers finish;
 - one or two consumer warpgroups, 64 query rows each, run the intra-warpgroup overlapped loop of
   the one-warpgroup kernel: wait for tile j; issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}; the
   softmax of S_j while the second runs; hand tile j-1's slot back once it is done.
 There is no CTA barrier in the loop, and the copies' instructions leave the consumers' issue
-slots. `setmaxnreg` moves registers: 40 a producer thread, the rest to the consumers (216 with
+slots. `setmaxnreg` moves registers: 40 a producer thread (56 if it stores rows), the rest to the consumers (216 with
 one consumer at two programs an SM, 232 with two at one; ptxas keeps them at ~168). At 24 the
 producer spilled where GROUP is 3, and the kernel died on an illegal instruction (H100).
 
@@ -34,17 +35,28 @@ if GLUON:
                                warpgroup_mma_wait)
 
 PRODUCER_WARPS = 4  # one warpgroup: `setmaxnreg` moves registers between whole warpgroups
+# Registers a producer thread keeps (ptxas compiles its code within them: fewer spill, see
+# below); 56 when it also stores rows (`store_rows`: at 40 or 48 it spilled where GROUP is 3 or 5).
 PRODUCER_REGS = 40
-CONSUMER_REGS = 232  # a worker consumer's request; the first consumer gets what is left (232 too)
+STORING_PRODUCER_REGS = 56
+REGS_PER_LANE = 65536 // 32  # an SM's register file, per lane of its warps
+
+
+def consumer_regs(producer_regs: int, consumer_warps: int) -> int:
+    """A worker consumer's request with one program an SM: what the producer leaves, a multiple
+    of 8 (`setmaxnreg`'s granule); the first consumer gets the same."""
+    return (REGS_PER_LANE - PRODUCER_WARPS * producer_regs) // consumer_warps // 8 * 8
 ROWS = 64  # query rows a consumer warpgroup computes
 
 
 @functools.lru_cache(maxsize=None)
 def ws_kernel(*, head: int, group: int, num_kv_heads: int, block_n: int, block_size: int, stride_ks: int,
               stride_vs: int, stages: int, search_steps: int, causal: bool, paged: bool, write_lse: bool,
-              consumers: int):
+              consumers: int, store_block_size: int = 0):
     """The kernel for one configuration (`consumers` warpgroups of ROWS query rows); launch it
-    with num_warps=4 (the first consumer runs in the kernel's own warps)."""
+    with num_warps=4 (the first consumer runs in the kernel's own warps). `store_block_size` > 0
+    (contiguous keys only): the producer also writes its tile's key/value rows into a paged
+    cache of that page size (`store_rows`)."""
     HEAD = gl.constexpr(head)
     GROUP = gl.constexpr(group)
     NUM_KV_HEADS = gl.constexpr(num_kv_heads)
@@ -58,11 +70,14 @@ def ws_kernel(*, head: int, group: int, num_kv_heads: int, block_n: int, block_s
     PAGED = gl.constexpr(paged)
     WRITE_LSE = gl.constexpr(write_lse)
     CONSUMERS = gl.constexpr(consumers)
+    STORE = gl.constexpr(store_block_size > 0)
+    STORE_BLOCK_SIZE = gl.constexpr(max(1, store_block_size))
     M = gl.constexpr(ROWS)
     BLOCK_Q = gl.constexpr(max(1, ROWS * consumers // group))
     P_WARPS = gl.constexpr(PRODUCER_WARPS)
-    P_REGS = gl.constexpr(PRODUCER_REGS)
-    C_REGS = gl.constexpr(CONSUMER_REGS)
+    p_regs = STORING_PRODUCER_REGS if store_block_size > 0 else PRODUCER_REGS
+    P_REGS = gl.constexpr(p_regs)
+    C_REGS = gl.constexpr(consumer_regs(p_regs, 4 * consumers))
     P_THREADS = gl.constexpr(PRODUCER_WARPS * 32)
     FULL_COUNT = gl.constexpr(PRODUCER_WARPS * 32 if paged else 1)  # cp.async: every producer thread arrives
     # A consumer's layouts: the two products' accumulators (4 warps stacked along the rows), P
@@ -85,8 +100,29 @@ def ws_kernel(*, head: int, group: int, num_kv_heads: int, block_n: int, block_s
                                               warps_per_cta=[PRODUCER_WARPS, 1], order=[1, 0]))
 
     @gluon.jit
+    def store_rows(k_rows, v_rows, slot_ptr, kc_ptr, vc_ptr, row0, lo, hi, kvh, stride_rt, stride_rh, stride_cb,
+                   stride_cs, stride_ch):
+        """Write contiguous key/value rows row0 + lo .. row0 + hi - 1 of head kvh into the paged
+        caches at their slots (`slot_ptr`, one a row; -1: nowhere), as `store_kv` does for a
+        16-bit cache. 8 rows a pass (16 bytes a thread): few registers, and a pass's loads come
+        from L2 (the key tiles have just been read)."""
+        rows_per_pass: gl.constexpr = 32 // (HEAD // 8) * P_WARPS
+        r_io = gl.arange(0, rows_per_pass, layout=gl.SliceLayout(1, PIO_LAYOUT))
+        d_io = gl.arange(0, HEAD, layout=gl.SliceLayout(0, PIO_LAYOUT))
+        for r0 in range(lo, hi, rows_per_pass):
+            row = row0 + r0 + r_io
+            slot = gl.load(slot_ptr + row, mask=r0 + r_io < hi, other=-1)
+            ok = (slot >= 0)[:, None]
+            src = (row * stride_rt + kvh * stride_rh)[:, None] + d_io[None, :]
+            dst = ((slot // STORE_BLOCK_SIZE) * stride_cb + (slot % STORE_BLOCK_SIZE) * stride_cs
+                   + kvh * stride_ch)[:, None] + d_io[None, :]
+            gl.store(kc_ptr + dst, gl.load(k_rows + src, mask=ok), mask=ok)
+            gl.store(vc_ptr + dst, gl.load(v_rows + src, mask=ok), mask=ok)
+
+    @gluon.jit
     def producer(q_smem, k_smem, v_smem, full, empty, q_bar, q_ptr, k_src, v_src, bt_row_ptr, q_begin, q0, q_len,
-                 key_hi, n_tiles, kv_row0, kvh, stride_qt, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh):
+                 key_hi, n_tiles, kv_row0, kvh, stride_qt, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+                 k_rows, v_rows, slot_ptr, kc_ptr, vc_ptr, store_lo, store_hi, stride_cb, stride_cs, stride_ch):
         # Q: token q0 + r // GROUP, head kvh * GROUP + r % GROUP (padding rows read nothing)
         r_io = gl.arange(0, M, layout=gl.SliceLayout(1, PIO_LAYOUT))
         d_io = gl.arange(0, HEAD, layout=gl.SliceLayout(0, PIO_LAYOUT))
@@ -121,6 +157,9 @@ def ws_kernel(*, head: int, group: int, num_kv_heads: int, block_n: int, block_s
             for t in range(n_tiles):
                 mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
                 issue_tma(k_src, v_src, k_smem, v_smem, full, t, kv_row0, kvh, HEAD, BLOCK_N, STAGES)
+            if STORE:  # while the consumers finish the ring's last tiles
+                store_rows(k_rows, v_rows, slot_ptr, kc_ptr, vc_ptr, kv_row0, store_lo, store_hi, kvh.to(gl.int64),
+                           stride_kb, stride_kh, stride_cb, stride_cs, stride_ch)
         async_copy.wait_group(0)
 
     @gluon.jit
@@ -188,7 +227,8 @@ def ws_kernel(*, head: int, group: int, num_kv_heads: int, block_n: int, block_s
     @gluon.jit(do_not_specialize=["num_seqs", "num_tiles", "num_decodes", "stride_bt"])
     def kernel(q_ptr, k_src, v_src, out_ptr, lse_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
                kv_start_loc_ptr, qk_scale, num_seqs, num_tiles, num_decodes, stride_qt, stride_qh, stride_kb, stride_kh,
-               stride_vb, stride_vh, stride_ot, stride_oh, stride_lt, stride_lh, stride_bt):
+               stride_vb, stride_vh, stride_ot, stride_oh, stride_lt, stride_lh, stride_bt, k_rows, v_rows, slot_ptr,
+               kc_ptr, vc_ptr, stride_cb, stride_cs, stride_ch):
         dtype: gl.constexpr = q_ptr.dtype.element_ty
         kvh, b, q_begin, q_len, q0 = program_tile(query_start_loc_ptr, num_seqs, num_tiles, num_decodes, NUM_KV_HEADS,
                                                   BLOCK_Q, SEARCH_STEPS)
@@ -205,6 +245,13 @@ def ws_kernel(*, head: int, group: int, num_kv_heads: int, block_n: int, block_s
         kv_row0 = b.to(gl.int64) * 0
         if not PAGED:
             kv_row0 = gl.load(kv_start_loc_ptr + b).to(gl.int64)
+        # Rows this program stores (STORE): its tile's own positions; the first tile also those
+        # before the first query, and a sequence without queries all its rows, so that every row
+        # of the sequence is written once.
+        first_pos = seq_len - q_len + q0
+        store_lo = gl.where(q0 == 0, 0, gl.maximum(first_pos, 0))
+        store_hi = gl.where((q0 < q_len) | (q0 == 0), gl.minimum(seq_len - q_len + gl.minimum(q0 + BLOCK_Q, q_len),
+                                                                  seq_len), 0)
         q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, M, HEAD],
                                            gl.NVMMASharedLayout.get_default_for([M, HEAD], dtype))
         kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD], dtype)
@@ -218,7 +265,8 @@ def ws_kernel(*, head: int, group: int, num_kv_heads: int, block_n: int, block_s
             mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrival a consumer warpgroup
         mbarrier.init(q_bar, count=P_THREADS)
         pargs = (q_smem, k_smem, v_smem, full, empty, q_bar, q_ptr, k_src, v_src, bt_row_ptr, q_begin, q0, q_len,
-                 key_hi, n_tiles, kv_row0, kvh, stride_qt, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh)
+                 key_hi, n_tiles, kv_row0, kvh, stride_qt, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+                 k_rows, v_rows, slot_ptr, kc_ptr, vc_ptr, store_lo, store_hi, stride_cb, stride_cs, stride_ch)
         cargs = (q_smem, k_smem, v_smem, full, empty, q_bar, out_ptr, lse_ptr, q_begin, q0, q_len, seq_len, key_hi,
                  n_full, n_tiles, kvh, qk_scale, stride_ot, stride_oh, stride_lt, stride_lh)
         if CONSUMERS == 1:

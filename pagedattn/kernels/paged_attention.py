@@ -43,6 +43,9 @@ Algorithm (FlashAttention-2 with GQA packing and FlashDecoding splits):
   instead: asynchronous warpgroup MMAs, warp-specialised at head size 128, about 1.5x this loop
   over pages (docs/PERF.md, "Gluon prefill", "ninth session" and "tenth session"). A forced
   `tile` keeps this kernel.
+- `store`: a launch over a step's own contiguous rows (fresh prompts) may also write them into
+  the paged cache; the warp-specialised kernel's producer does it while the products run, which
+  saves the store launch and its read of the rows (eleventh session), else `store_kv` runs first.
 The per-program body lives in attention_program.py.
 """
 
@@ -60,6 +63,7 @@ from .paged_attention_config import (choose_mixed_decode_tile, choose_num_splits
 from . import hopper_prefill
 from .pdl import launch_options, use_pdl
 from .split_kv import SplitKVWorkspace, reduce_splits
+from .store_kv import StoreTarget, check_store, store_kv
 
 
 # Integer arguments that change from step to step are not specialised on (Triton compiles a
@@ -200,6 +204,7 @@ def paged_attention(
     num_decodes: int = 0,
     max_decode_query_len: int = 1,
     decode_tile: tuple[int, ...] | None = None,
+    store: StoreTarget | None = None,
 ) -> torch.Tensor:
     """Attention of `query` over the paged cache, written into `out` (returned).
 
@@ -234,6 +239,11 @@ def paged_attention(
         result is the same either way. 0: every sequence takes the launch's tile.
     decode_tile: force (BLOCK_N, num_stages[, BLOCK_M rows]) of those decode programs (tuning);
         only for a launch that gives its decodes their own tile (warps are the launch's).
+    store: with `kv_start_loc`, paged caches and a slot per contiguous key/value row where the
+        call also writes those rows, as `store_kv(k_cache, v_cache, *store, k_scale, v_scale)`
+        would (the launch reads no pages, so the order does not matter). The warp-specialised
+        Gluon kernel writes them from its producer while the products run (`hopper_prefill.
+        stores_rows`); otherwise `store_kv` runs first.
     """
     check_tensor(query, "query", ndim=3, dtypes=FLOAT_DTYPES)
     device = query.device
@@ -294,15 +304,22 @@ def paged_attention(
                     ("kv_start_loc", kv_start_loc), ("alibi_slopes", alibi_slopes)):
         if t is not None:
             check(t.stride(0) == 1 or t.shape[0] <= 1, f"{name}.stride(0)", 1, t.stride(0))
+    if store is not None:
+        check(not paged, "store without kv_start_loc", "contiguous key rows to store", "a paged launch")
+        check_store(k_cache, v_cache, *store)
     check(0 <= num_decodes <= num_seqs, "num_decodes", f"0..{num_seqs} (the sequences)", num_decodes)
     check(max_decode_query_len >= 1, "max_decode_query_len", ">= 1", max_decode_query_len)
+    group = num_heads // num_kv_heads
+    gluon = (num_tokens > 0 and num_seqs > 0 and tile is None and decode_tile is None and hopper_prefill.supported(
+        query, k_cache, v_cache, paged=paged, group=group, max_query_len=max_query_len, max_seq_len=max_seq_len,
+        sliding_window=sliding_window, alibi_slopes=alibi_slopes, soft_cap=soft_cap, num_splits=num_splits))
+    if store is not None and not (gluon and hopper_prefill.stores_rows(query, k_cache, v_cache, store)):
+        store_kv(k_cache, v_cache, *store, k_scale, v_scale)
+        store = None
     if num_tokens == 0 or num_seqs == 0:
         return out
 
-    group = num_heads // num_kv_heads
-    if (tile is None and decode_tile is None and hopper_prefill.supported(
-            query, k_cache, v_cache, paged=paged, group=group, max_query_len=max_query_len, max_seq_len=max_seq_len,
-            sliding_window=sliding_window, alibi_slopes=alibi_slopes, soft_cap=soft_cap, num_splits=num_splits)):
+    if gluon:
         # Prefill-like steps over pages on an H100/H200, mixed ones included, and those over
         # contiguous keys at head size 128: the Gluon kernels (asynchronous warpgroup MMAs,
         # warp-specialised at head size 128), about 1.5x this one over pages at head size 128
@@ -311,7 +328,7 @@ def paged_attention(
             query, k_cache, v_cache, out, query_start_loc=query_start_loc, seq_lens=seq_lens,
             block_tables=block_tables, scale=scale, causal=causal, lse=lse, kv_start_loc=kv_start_loc,
             max_seq_len=max_seq_len, search_steps=search_steps(num_seqs), num_decodes=num_decodes,
-            max_decode_query_len=max_decode_query_len)
+            max_decode_query_len=max_decode_query_len, store=store)
         return out
     sms = num_sms(device)
     chosen = choose_tile(head_size=head_size, group=group, max_query_len=max_query_len,

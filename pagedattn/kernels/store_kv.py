@@ -12,6 +12,8 @@ interpreter's own cast misrounds (the GPU's cvt instruction does not).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -78,6 +80,37 @@ def _store_kv_kernel(
     tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+class StoreTarget(NamedTuple):
+    """Where a launch over contiguous key/value rows also writes them (`paged_attention`'s
+    `store`): paged caches [num_blocks, block_size, Hkv, D] and one slot a row (-1: nowhere)."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+def check_store(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                slot_mapping: torch.Tensor) -> None:
+    """Refuse arguments `store_kv` cannot take (shapes, dtypes, devices), with the reason."""
+    check_tensor(key, "key", ndim=3, dtypes=FLOAT_DTYPES)
+    device = key.device
+    check_tensor(value, "value", ndim=3, dtypes=FLOAT_DTYPES, device=device)
+    check(value.shape == key.shape, "value.shape", tuple(key.shape), tuple(value.shape))
+    num_tokens = key.shape[0]
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(cache, name, ndim=4, dtypes=FLOAT_DTYPES + FP8_DTYPES, device=device)
+        check(cache.shape[2:] == key.shape[1:], f"{name}.shape[2:] (Hkv, D)",
+              tuple(key.shape[1:]), tuple(cache.shape[2:]))
+    check(v_cache.shape == k_cache.shape, "v_cache.shape", tuple(k_cache.shape),
+          tuple(v_cache.shape))
+    check(v_cache.dtype == k_cache.dtype, "v_cache.dtype", k_cache.dtype, v_cache.dtype)
+    check_tensor(slot_mapping, "slot_mapping", ndim=1, dtypes=(torch.int64,), device=device)
+    check(slot_mapping.shape[0] == num_tokens, "slot_mapping.shape[0]", num_tokens,
+          slot_mapping.shape[0])
+    check(slot_mapping.stride(0) == 1 or num_tokens <= 1, "slot_mapping.stride(0)", 1,
+          slot_mapping.stride(0))
+
+
 def store_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -95,23 +128,9 @@ def store_kv(
     slot_mapping: [T] int64; slot -1 writes nothing.
     k_scale, v_scale: 0-dim float32 device tensors (or python floats); used by FP8 caches only.
     """
-    check_tensor(key, "key", ndim=3, dtypes=FLOAT_DTYPES)
+    check_store(key, value, k_cache, v_cache, slot_mapping)
     device = key.device
-    check_tensor(value, "value", ndim=3, dtypes=FLOAT_DTYPES, device=device)
-    check(value.shape == key.shape, "value.shape", tuple(key.shape), tuple(value.shape))
     num_tokens, num_kv_heads, head_size = key.shape
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check_tensor(cache, name, ndim=4, dtypes=FLOAT_DTYPES + FP8_DTYPES, device=device)
-        check(cache.shape[2:] == key.shape[1:], f"{name}.shape[2:] (Hkv, D)",
-              tuple(key.shape[1:]), tuple(cache.shape[2:]))
-    check(v_cache.shape == k_cache.shape, "v_cache.shape", tuple(k_cache.shape),
-          tuple(v_cache.shape))
-    check(v_cache.dtype == k_cache.dtype, "v_cache.dtype", k_cache.dtype, v_cache.dtype)
-    check_tensor(slot_mapping, "slot_mapping", ndim=1, dtypes=(torch.int64,), device=device)
-    check(slot_mapping.shape[0] == num_tokens, "slot_mapping.shape[0]", num_tokens,
-          slot_mapping.shape[0])
-    check(slot_mapping.stride(0) == 1 or num_tokens <= 1, "slot_mapping.stride(0)", 1,
-          slot_mapping.stride(0))
     if num_tokens == 0 or k_cache.numel() == 0:
         return
     fp8 = k_cache.dtype in FP8_DTYPES

@@ -189,3 +189,54 @@ def test_a_bad_forced_tile_is_refused():
                          dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(ValueError, match="stages"):
         run_direct(kernel_args(batch), scale=0.1, causal=True, tile=(64, 2, 4), lse=False)
+
+
+ON_GPU = DEVICE.type == "cuda"
+
+
+@pytest.mark.parametrize("pages", ["bf16", "fp8"] if ON_GPU else ["bf16"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("block_size", [16, 1])
+@pytest.mark.parametrize("heads", [(32, 8), (12, 4)], ids=str)
+def test_a_contiguous_launch_stores_its_rows(pages, causal, block_size, heads):
+    """`paged_attention(..., store=...)` over contiguous rows writes every row into the pages at
+    its slot (none at -1, nothing else touched), exactly as `store_kv`, and attends as without
+    it: from the warp-specialised kernel's producer on an H100/H200 (16-bit pages), by
+    `store_kv` first elsewhere. Non-causal launches have other key counts (more and fewer than
+    queries, a sequence without queries), so every program's share of rows is exercised."""
+    from pagedattn.kernels import StoreTarget, paged_attention, store_kv
+
+    num_heads, num_kv_heads = heads
+    d = 128
+    g = torch.Generator().manual_seed(11)
+    q_lens = [300, 77, 513, 1] if ON_GPU else [40, 9, 1]
+    kv_lens = q_lens if causal else ([40, 700, 129, 3, 50] if ON_GPU else [5, 70, 3, 20])
+    if not causal:
+        q_lens = q_lens + [0]
+    rows = sum(kv_lens)
+    q = torch.randn(sum(q_lens), num_heads, d, generator=g).to(torch.bfloat16).to(DEVICE)
+    k, v = (torch.randn(rows, num_kv_heads, d, generator=g).to(torch.bfloat16).to(DEVICE) for _ in range(2))
+    qsl = torch.tensor([sum(q_lens[:i]) for i in range(len(q_lens) + 1)], dtype=torch.int32, device=DEVICE)
+    ksl = torch.tensor([sum(kv_lens[:i]) for i in range(len(kv_lens) + 1)], dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
+    num_blocks = rows // block_size + 8
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:rows]
+    slots[::7] = -1  # padding rows: written nowhere
+    slots = slots.to(DEVICE)
+    dtype = torch.float8_e4m3fn if pages == "fp8" else torch.bfloat16
+    sentinel = torch.randn(2, num_blocks, block_size, num_kv_heads, d, generator=g).to(dtype).to(DEVICE)
+    scale_k, scale_v = (torch.tensor(s, device=DEVICE) for s in (0.5, 2.0))
+    expected = sentinel.clone()
+    store_kv(k, v, expected[0], expected[1], slots, scale_k, scale_v)
+    cache = sentinel.clone()
+
+    def launch(store):
+        out = torch.full_like(q, float("nan"))
+        paged_attention(q, k, v, out, query_start_loc=qsl, seq_lens=seq_lens, block_tables=None,
+                        max_query_len=max(q_lens), max_seq_len=max(kv_lens), scale=d ** -0.5, causal=causal,
+                        kv_start_loc=ksl, k_scale=scale_k, v_scale=scale_v, store=store)
+        return out
+
+    out = launch(StoreTarget(cache[0], cache[1], slots))
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+    torch.testing.assert_close(out, launch(None), atol=0, rtol=0)
