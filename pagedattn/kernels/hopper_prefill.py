@@ -386,10 +386,13 @@ def hopper_prefill(query, k_cache, v_cache, out, *, query_start_loc, seq_lens, b
         store_block_size = 0
     grid = ((num_tiles + num_decodes) * num_kv_heads,)
     if ws:
+        # a mixed launch's decodes on one consumer: the swapped-operand body where their rows fit
+        dec_rows = max(8, next_pow2(group * max_decode_query_len))
+        decode_rows = dec_rows if num_decodes and warps == 4 and 2 * dec_rows <= 64 and block_n <= head_size else 0
         kernel = ws_kernel(head=head_size, group=group, num_kv_heads=num_kv_heads, block_n=block_n,
                            block_size=block_size, stride_ks=sks, stride_vs=svs, stages=stages,
                            search_steps=search_steps, causal=bool(causal), paged=paged, write_lse=lse is not None,
-                           consumers=warps // 4, store_block_size=store_block_size)
+                           consumers=warps // 4, store_block_size=store_block_size, decode_rows=decode_rows)
         # one consumer: two programs an SM, so the registers are split for two (128 a thread
         # at launch; `setmaxnreg` then moves them from the producer to the consumer)
         kernel[grid](*args, *store_args, num_warps=4, **({"maxnreg": 128} if warps == 4 else {}))

@@ -52,11 +52,13 @@ ROWS = 64  # query rows a consumer warpgroup computes
 @functools.lru_cache(maxsize=None)
 def ws_kernel(*, head: int, group: int, num_kv_heads: int, block_n: int, block_size: int, stride_ks: int,
               stride_vs: int, stages: int, search_steps: int, causal: bool, paged: bool, write_lse: bool,
-              consumers: int, store_block_size: int = 0):
+              consumers: int, store_block_size: int = 0, decode_rows: int = 0):
     """The kernel for one configuration (`consumers` warpgroups of ROWS query rows); launch it
     with num_warps=4 (the first consumer runs in the kernel's own warps). `store_block_size` > 0
     (contiguous keys only): the producer also writes its tile's key/value rows into a paged
-    cache of that page size (`store_rows`)."""
+    cache of that page size (`store_rows`). `decode_rows` > 0 (one consumer): a mixed launch's
+    decode programs, whose query rows fit that many, take the swapped-operand body
+    (`decode_tiles`)."""
     HEAD = gl.constexpr(head)
     GROUP = gl.constexpr(group)
     NUM_KV_HEADS = gl.constexpr(num_kv_heads)
@@ -71,6 +73,10 @@ def ws_kernel(*, head: int, group: int, num_kv_heads: int, block_n: int, block_s
     WRITE_LSE = gl.constexpr(write_lse)
     CONSUMERS = gl.constexpr(consumers)
     STORE = gl.constexpr(store_block_size > 0)
+    assert decode_rows == 0 or (consumers == 1 and 2 * decode_rows <= ROWS and block_n <= head), \
+        "the swapped decode body runs in one consumer, its P^T in the rows of Q's buffer"
+    DEC_N = gl.constexpr(max(8, decode_rows))
+    SWAP_DECODES = gl.constexpr(decode_rows > 0)
     STORE_BLOCK_SIZE = gl.constexpr(max(1, store_block_size))
     M = gl.constexpr(ROWS)
     BLOCK_Q = gl.constexpr(max(1, ROWS * consumers // group))
@@ -87,6 +93,9 @@ def ws_kernel(*, head: int, group: int, num_kv_heads: int, block_n: int, block_s
     O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, head, 16]))
     P_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT.value, k_width=2))
+    # The swapped decode body's: S^T [keys, DEC_N] and O^T [HEAD, DEC_N] accumulators.
+    ST_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, max(8, decode_rows), 16]))
     tpd = head // 8
     IO_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // tpd, tpd],
                                               warps_per_cta=[4, 1], order=[1, 0]))
@@ -163,8 +172,68 @@ def ws_kernel(*, head: int, group: int, num_kv_heads: int, block_n: int, block_s
         async_copy.wait_group(0)
 
     @gluon.jit
-    def consumer(c, q_smem, k_smem, v_smem, full, empty, q_bar, out_ptr, lse_ptr, q_begin, q0, q_len, seq_len,
-                 key_hi, n_full, n_tiles, kvh, qk_scale, stride_ot, stride_oh, stride_lt, stride_lh):
+    def decode_tiles(qc, k_smem, v_smem, full, empty, out_ptr, lse_ptr, q_begin, q_len, seq_len, key_hi, n_full,
+                     n_tiles, kvh, qk_scale, stride_ot, stride_oh, stride_lt, stride_lh):
+        """A decode program (its GROUP x q_len query rows fit DEC_N): the products with operands
+        swapped, S^T = K Q^T and O^T += V^T P^T, so the tensor cores compute DEC_N query
+        columns instead of 64 rows (a decode's 4 of 64 rows wasted 15/16 of its products).
+        The softmax runs down the key axis; P^T goes through shared memory (an MMA's second
+        operand), in the rows of Q's buffer after the query rows (two programs an SM leave no
+        room for another buffer)."""
+        dtype: gl.constexpr = qc.dtype
+        COL: gl.constexpr = gl.SliceLayout(0, ST_LAYOUT)
+        KEY: gl.constexpr = gl.SliceLayout(1, ST_LAYOUT)
+        c_s = gl.arange(0, DEC_N, layout=COL)
+        q_pos = gl.where(c_s // GROUP < q_len, seq_len - q_len + c_s // GROUP, -1)
+        qd = qc.slice(0, DEC_N)  # the program's query rows (rows past them: zeros)
+        pb = qc.slice(DEC_N, DEC_N).slice(0, BLOCK_N, dim=1)  # P^T [DEC_N, BLOCK_N], keys along a row
+        s_zero = gl.zeros([BLOCK_N, DEC_N], gl.float32, ST_LAYOUT)
+        acc = gl.zeros([HEAD, DEC_N], gl.float32, ST_LAYOUT)
+        m_i = gl.full([DEC_N], float("-inf"), gl.float32, COL)
+        l_i = gl.zeros([DEC_N], gl.float32, COL)
+        for j in range(n_tiles):
+            slot = j % STAGES
+            mbarrier.wait(full.index(slot), (j // STAGES) & 1)
+            if PAGED:
+                fence_async_shared()
+            s_tok = warpgroup_mma(k_smem.index(slot), qd.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s_tok,))
+            if j >= n_full:
+                n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=KEY)
+                if CAUSAL:
+                    s = gl.where(n[:, None] <= q_pos[None, :], s, float("-inf"))
+                else:
+                    s = gl.where((n < key_hi)[:, None], s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 0) * qk_scale)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(gl.fma(s, qk_scale, -m_safe[None, :]))
+            alpha = gl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + gl.sum(p, 0)
+            m_i = m_new
+            acc = acc * alpha[None, :]
+            pb.store(gl.permute(p.to(dtype), (1, 0)))
+            fence_async_shared()
+            cta_barrier()  # every warp's share of P^T is in shared memory before the product reads it
+            o_tok = warpgroup_mma(v_smem.index(slot).permute((1, 0)), pb.permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(o_tok,))
+            cta_barrier()  # and every warp's product is done with it before the next tile's P^T
+            mbarrier.arrive(empty.index(slot))
+        empty_col = l_i == 0.0
+        o = acc / gl.where(empty_col, 1.0, l_i)[None, :]
+        d = gl.arange(0, HEAD, layout=KEY)
+        tok = (q_begin + c_s // GROUP).to(gl.int64)
+        hd = (kvh * GROUP + c_s % GROUP).to(gl.int64)
+        ok = c_s // GROUP < q_len
+        gl.store(out_ptr + (tok * stride_ot + hd * stride_oh)[None, :] + d[:, None], o.to(dtype), mask=ok[None, :])
+        if WRITE_LSE:
+            lse = gl.where(empty_col, float("-inf"), (m_i + gl.log2(gl.where(empty_col, 1.0, l_i))) * 0.6931471805599453)
+            gl.store(lse_ptr + tok * stride_lt + hd * stride_lh, lse, mask=ok)
+
+    @gluon.jit
+    def prefill_tiles(c, q_smem, k_smem, v_smem, full, empty, out_ptr, lse_ptr, q_begin, q0, q_len, seq_len, key_hi,
+                      n_full, n_tiles, kvh, qk_scale, stride_ot, stride_oh, stride_lt, stride_lh):
+        """Consumer c's query rows of a prefill tile (or of a decode without `decode_tiles`): the
+        overlapped loop."""
         dtype: gl.constexpr = q_smem.dtype
         ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
@@ -176,8 +245,6 @@ def ws_kernel(*, head: int, group: int, num_kv_heads: int, block_n: int, block_s
         m_i = gl.full([M], float("-inf"), gl.float32, ROW_S)
         l_i = gl.zeros([M], gl.float32, ROW_S)
         qc = q_smem.index(c)
-        mbarrier.wait(q_bar, 0)
-        fence_async_shared()  # cp.async wrote Q through the generic proxy; the MMAs read it through the async one
         if n_tiles > 0:
             mbarrier.wait(full.index(0), 0)
             if PAGED:
@@ -224,6 +291,22 @@ def ws_kernel(*, head: int, group: int, num_kv_heads: int, block_n: int, block_s
             gl.store(lse_ptr + tok_o * stride_lt + head_o * stride_lh, lse,
                      mask=(r_o < BLOCK_Q * GROUP) & (q0 + r_o // GROUP < q_len))
 
+    @gluon.jit
+    def consumer(c, q_smem, k_smem, v_smem, full, empty, q_bar, out_ptr, lse_ptr, q_begin, q0, q_len, seq_len,
+                 key_hi, n_full, n_tiles, kvh, qk_scale, stride_ot, stride_oh, stride_lt, stride_lh, is_decode):
+        mbarrier.wait(q_bar, 0)
+        fence_async_shared()  # cp.async wrote Q through the generic proxy; the MMAs read it through the async one
+        if SWAP_DECODES:
+            if is_decode:
+                decode_tiles(q_smem.index(c), k_smem, v_smem, full, empty, out_ptr, lse_ptr, q_begin, q_len, seq_len,
+                             key_hi, n_full, n_tiles, kvh, qk_scale, stride_ot, stride_oh, stride_lt, stride_lh)
+            else:
+                prefill_tiles(c, q_smem, k_smem, v_smem, full, empty, out_ptr, lse_ptr, q_begin, q0, q_len, seq_len,
+                              key_hi, n_full, n_tiles, kvh, qk_scale, stride_ot, stride_oh, stride_lt, stride_lh)
+        else:
+            prefill_tiles(c, q_smem, k_smem, v_smem, full, empty, out_ptr, lse_ptr, q_begin, q0, q_len, seq_len, key_hi,
+                          n_full, n_tiles, kvh, qk_scale, stride_ot, stride_oh, stride_lt, stride_lh)
+
     @gluon.jit(do_not_specialize=["num_seqs", "num_tiles", "num_decodes", "stride_bt"])
     def kernel(q_ptr, k_src, v_src, out_ptr, lse_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
                kv_start_loc_ptr, qk_scale, num_seqs, num_tiles, num_decodes, stride_qt, stride_qh, stride_kb, stride_kh,
@@ -268,7 +351,7 @@ def ws_kernel(*, head: int, group: int, num_kv_heads: int, block_n: int, block_s
                  key_hi, n_tiles, kv_row0, kvh, stride_qt, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                  k_rows, v_rows, slot_ptr, kc_ptr, vc_ptr, store_lo, store_hi, stride_cb, stride_cs, stride_ch)
         cargs = (q_smem, k_smem, v_smem, full, empty, q_bar, out_ptr, lse_ptr, q_begin, q0, q_len, seq_len, key_hi,
-                 n_full, n_tiles, kvh, qk_scale, stride_ot, stride_oh, stride_lt, stride_lh)
+                 n_full, n_tiles, kvh, qk_scale, stride_ot, stride_oh, stride_lt, stride_lh, b >= num_seqs)
         if CONSUMERS == 1:
             gl.warp_specialize([(consumer, (0, ) + cargs), (producer, pargs)], [P_WARPS], [P_REGS])
         else:

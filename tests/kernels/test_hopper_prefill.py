@@ -29,13 +29,13 @@ LENS = {
 }
 
 
-def run_direct(args, *, scale, causal, tile, lse):
+def run_direct(args, *, scale, causal, tile, lse, **mixed):
     out = torch.full_like(args.query, float("nan"))
     lse_t = torch.full(args.query.shape[:2], 7.0, device=args.query.device) if lse else None
     hp.hopper_prefill(args.query, args.k_cache, args.v_cache, out, query_start_loc=args.query_start_loc,
                       seq_lens=args.seq_lens, block_tables=args.block_tables, scale=scale, causal=causal,
                       lse=lse_t, kv_start_loc=None, max_seq_len=args.max_seq_len,
-                      search_steps=search_steps(args.seq_lens.shape[0]), tile=tile)
+                      search_steps=search_steps(args.seq_lens.shape[0]), tile=tile, **mixed)
     return out, lse_t
 
 
@@ -52,6 +52,32 @@ def test_matches_the_oracle(tile, shape, heads, block_size):
     scale = head_size ** -0.5
     out, lse = run_direct(kernel_args(batch), scale=scale, causal=True, tile=tile, lse=True)
     ref_out, ref_lse = batch.reference(scale=scale)
+    assert rel_l2(out, ref_out) <= TOL[torch.bfloat16]
+    torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=2e-2, rtol=1e-3)
+
+
+@on_hopper
+@pytest.mark.parametrize("tile", [hp.WS_MIXED_TILE, hp.WS_TILE], ids=str)
+@pytest.mark.parametrize("decode_len", [1, 4])
+@pytest.mark.parametrize("heads", [(32, 8, 128), (16, 1, 128), (12, 4, 128), (8, 8, 128), (8, 8, 64)], ids=str)
+@pytest.mark.parametrize("causal", [True, False])
+def test_mixed_launch_decodes_match_the_oracle(tile, decode_len, heads, causal):
+    """A mixed launch's decodes (the last sequences, `num_decodes`): on one consumer at head size
+    128 they take the swapped-operand body (S^T = K Q^T, O^T = V^T P^T; 8-32 query columns),
+    with two consumers or at head size 64 the prefill body. Decodes of several tokens too (the
+    multi-token decode of speculative steps), contexts ending mid-tile and mid-page; decodes
+    wider than a tile's rows are prefill tiles like the others."""
+    num_heads, num_kv_heads, head_size = heads
+    if head_size == 64 and tile != hp.WS_MIXED_TILE:
+        pytest.skip("head size 64 has one kernel and one tile")
+    lens = [(37, 150), (0, 90), (200, decode_len), (63, decode_len), (15, decode_len), (1, decode_len),
+            (1000, decode_len)]
+    batch = kernel_batch(lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                         block_size=16, dtype=torch.bfloat16, device=DEVICE)
+    scale = head_size ** -0.5
+    out, lse = run_direct(kernel_args(batch), scale=scale, causal=causal, tile=tile if head_size == 128 else None,
+                          lse=True, num_decodes=5, max_decode_query_len=decode_len)
+    ref_out, ref_lse = batch.reference(scale=scale, causal=causal)
     assert rel_l2(out, ref_out) <= TOL[torch.bfloat16]
     torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=2e-2, rtol=1e-3)
 
