@@ -14,6 +14,8 @@ so that their key reads run beside the prefill's products):
 - head size 128: `hopper_prefill_ws.py`, warp-specialised. A producer warpgroup fills a ring of
   key/value tiles and completes mbarriers; one or two consumer warpgroups (64 query rows each)
   run the loop and hand slots back by mbarriers, with registers moved to them (`setmaxnreg`).
+  A mixed launch's decodes run with swapped operands (query columns, not rows); over a step's
+  own rows the producer can also write them into the paged cache (`store`).
   1.05-1.16x the kernel below at head size 128 (docs/PERF.md, "tenth session").
 - head size 64: the kernel here, one program of 4 warps (one warpgroup) doing both: key/value
   tiles over pages (any page size) by `cp.async` into a ring of STAGES slots, a tile's block ids
@@ -68,7 +70,8 @@ TRITON_VERSIONS = ("3.6.",)
 # "tenth session"): two consumers with 64-key tiles and 4 stages (one program an SM, 160 KiB of
 # shared memory) beat one (two programs an SM) on every prefill-only case (32/8/128 paged
 # 16x1k 316 vs 308 TFLOP/s, 4x4k 436 vs 419, 1x16k 498 vs 446); with decodes in the launch one
-# consumer wins (a decode fills 4 of its 64 rows, not 4 of 128: 2k chunk + 64 decodes 311 vs 279).
+# consumer wins, its decodes on the swapped-operand body (8 query columns, not 64 or 128 rows:
+# 2k chunk + 64 decodes 332.5 vs 376.5 us, 2 prompts of 2k + 8 decodes 206.8 vs 206.4; eleventh session).
 WS_TILE = (64, 4, 8)
 WS_MIXED_TILE = (64, 3, 4)
 ONE_WARPGROUP_TILE = (64, 3, 4)

@@ -10,7 +10,11 @@ docs/PERF.md, "tenth session"):
   own rows into the paged cache (`store_rows`) while the consumers finish;
 - one or two consumer warpgroups, 64 query rows each, run the intra-warpgroup overlapped loop of
   the one-warpgroup kernel: wait for tile j; issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}; the
-  softmax of S_j while the second runs; hand tile j-1's slot back once it is done.
+  softmax of S_j while the second runs; hand tile j-1's slot back once it is done;
+- in a mixed launch on one consumer, a decode program (a few query rows: GROUP x its tokens)
+  swaps the operands instead (`decode_tiles`): S^T = K Q^T and O^T += V^T P^T over 8-32 query
+  columns, so its products are 1/8 of a 64-row tile's (2k chunk + 64 decodes: 332.5 against
+  346 us on the H100, docs/PERF.md, "eleventh session").
 There is no CTA barrier in the loop, and the copies' instructions leave the consumers' issue
 slots. `setmaxnreg` moves registers: 40 a producer thread (56 if it stores rows), the rest to the consumers (216 with
 one consumer at two programs an SM, 232 with two at one; ptxas keeps them at ~168). At 24 the
