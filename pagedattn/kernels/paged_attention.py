@@ -243,7 +243,8 @@ def paged_attention(
         call also writes those rows, as `store_kv(k_cache, v_cache, *store, k_scale, v_scale)`
         would (the launch reads no pages, so the order does not matter). The warp-specialised
         Gluon kernel writes them from its producer while the products run (`hopper_prefill.
-        stores_rows`); otherwise `store_kv` runs first.
+        stores_rows`); otherwise `store_kv` runs first. The kernel writes the rows of the
+        sequences' key ranges: rows outside every range must have slot -1.
     """
     check_tensor(query, "query", ndim=3, dtypes=FLOAT_DTYPES)
     device = query.device

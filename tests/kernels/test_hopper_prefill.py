@@ -266,3 +266,18 @@ def test_a_contiguous_launch_stores_its_rows(pages, causal, block_size, heads):
     out = launch(StoreTarget(cache[0], cache[1], slots))
     assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
     torch.testing.assert_close(out, launch(None), atol=0, rtol=0)
+
+
+def test_a_store_needs_contiguous_rows():
+    """`store` writes contiguous rows; a paged launch (keys already in the pages) refuses it."""
+    from pagedattn.kernels import StoreTarget, paged_attention
+
+    q = torch.zeros(4, 2, 128, dtype=torch.bfloat16, device=DEVICE)
+    pages = torch.zeros(2, 16, 1, 128, dtype=torch.bfloat16, device=DEVICE)
+    one = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="store without kv_start_loc"):
+        paged_attention(q, pages, pages, torch.empty_like(q), query_start_loc=one,
+                        seq_lens=torch.tensor([4], dtype=torch.int32, device=DEVICE),
+                        block_tables=torch.zeros(1, 1, dtype=torch.int32, device=DEVICE), max_query_len=4,
+                        max_seq_len=4, scale=1.0, store=StoreTarget(pages, pages, torch.zeros(4, dtype=torch.int64,
+                                                                                              device=DEVICE)))
