@@ -55,7 +55,7 @@ if GLUON:
     from .hopper_parts import (async_copy, block_ids, cta_barrier, fence_async_shared, first_softmax, issue_pages,
                                issue_tma, mbarrier, overlapped_tile, program_tile, scores, warpgroup_mma,
                                warpgroup_mma_wait)
-    from .hopper_prefill_ws import ws_kernel
+    from .hopper_prefill_ws import swapped_decode_rows, ws_kernel
 
 ENABLED: bool = os.environ.get("PAGEDATTN_GLUON", "1") != "0"
 HEAD_SIZES = (64, 128)
@@ -390,8 +390,8 @@ def hopper_prefill(query, k_cache, v_cache, out, *, query_start_loc, seq_lens, b
     grid = ((num_tiles + num_decodes) * num_kv_heads,)
     if ws:
         # a mixed launch's decodes on one consumer: the swapped-operand body where their rows fit
-        dec_rows = max(8, next_pow2(group * max_decode_query_len))
-        decode_rows = dec_rows if num_decodes and warps == 4 and 2 * dec_rows <= 64 and block_n <= head_size else 0
+        decode_rows = swapped_decode_rows(next_pow2(group * max_decode_query_len), consumers=warps // 4,
+                                          block_n=block_n, head=head_size) if num_decodes else 0
         kernel = ws_kernel(head=head_size, group=group, num_kv_heads=num_kv_heads, block_n=block_n,
                            block_size=block_size, stride_ks=sks, stride_vs=svs, stages=stages,
                            search_steps=search_steps, causal=bool(causal), paged=paged, write_lse=lse is not None,

@@ -46,6 +46,14 @@ STORING_PRODUCER_REGS = 56
 REGS_PER_LANE = 65536 // 32  # an SM's register file, per lane of its warps
 
 
+def swapped_decode_rows(decode_rows: int, *, consumers: int, block_n: int, head: int) -> int:
+    """The query columns (`decode_rows` rounded up to 8) of the swapped decode body
+    (`decode_tiles`) if it can take a mixed launch's decodes of that many rows, else 0: one
+    consumer, and P^T [columns, BLOCK_N] fitting in Q's buffer after the query columns."""
+    cols = max(8, decode_rows)
+    return cols if consumers == 1 and 2 * cols <= ROWS and block_n <= head else 0
+
+
 def consumer_regs(producer_regs: int, consumer_warps: int) -> int:
     """A worker consumer's request with one program an SM: what the producer leaves, a multiple
     of 8 (`setmaxnreg`'s granule); the first consumer gets the same."""
@@ -76,8 +84,9 @@ def ws_kernel(*, head: int, group: int, num_kv_heads: int, block_n: int, block_s
     PAGED = gl.constexpr(paged)
     WRITE_LSE = gl.constexpr(write_lse)
     CONSUMERS = gl.constexpr(consumers)
-    STORE = gl.constexpr(store_block_size > 0)
-    assert decode_rows == 0 or (consumers == 1 and 2 * decode_rows <= ROWS and block_n <= head), \
+    storing = store_block_size > 0
+    STORE = gl.constexpr(storing)
+    assert decode_rows in (0, swapped_decode_rows(decode_rows, consumers=consumers, block_n=block_n, head=head)), \
         "the swapped decode body runs in one consumer, its P^T in the rows of Q's buffer"
     DEC_N = gl.constexpr(max(8, decode_rows))
     SWAP_DECODES = gl.constexpr(decode_rows > 0)
@@ -85,7 +94,7 @@ def ws_kernel(*, head: int, group: int, num_kv_heads: int, block_n: int, block_s
     M = gl.constexpr(ROWS)
     BLOCK_Q = gl.constexpr(max(1, ROWS * consumers // group))
     P_WARPS = gl.constexpr(PRODUCER_WARPS)
-    p_regs = STORING_PRODUCER_REGS if store_block_size > 0 else PRODUCER_REGS
+    p_regs = STORING_PRODUCER_REGS if storing else PRODUCER_REGS
     P_REGS = gl.constexpr(p_regs)
     C_REGS = gl.constexpr(consumer_regs(p_regs, 4 * consumers))
     P_THREADS = gl.constexpr(PRODUCER_WARPS * 32)

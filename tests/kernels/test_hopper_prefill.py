@@ -268,8 +268,9 @@ def test_a_contiguous_launch_stores_its_rows(pages, causal, block_size, heads):
     torch.testing.assert_close(out, launch(None), atol=0, rtol=0)
 
 
-def test_a_store_needs_contiguous_rows():
-    """`store` writes contiguous rows; a paged launch (keys already in the pages) refuses it."""
+def test_a_store_needs_contiguous_rows_and_a_slot_each():
+    """`store` writes contiguous rows; a paged launch (keys already in the pages) refuses it, and
+    a contiguous one refuses a slot mapping that is not one slot a row."""
     from pagedattn.kernels import StoreTarget, paged_attention
 
     q = torch.zeros(4, 2, 128, dtype=torch.bfloat16, device=DEVICE)
@@ -281,3 +282,9 @@ def test_a_store_needs_contiguous_rows():
                         block_tables=torch.zeros(1, 1, dtype=torch.int32, device=DEVICE), max_query_len=4,
                         max_seq_len=4, scale=1.0, store=StoreTarget(pages, pages, torch.zeros(4, dtype=torch.int64,
                                                                                               device=DEVICE)))
+    rows = torch.zeros(4, 1, 128, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="slot_mapping.shape"):
+        paged_attention(q, rows, rows, torch.empty_like(q), query_start_loc=one,
+                        seq_lens=torch.tensor([4], dtype=torch.int32, device=DEVICE), block_tables=None,
+                        max_query_len=4, max_seq_len=4, scale=1.0, kv_start_loc=one,
+                        store=StoreTarget(pages, pages, torch.zeros(3, dtype=torch.int64, device=DEVICE)))
