@@ -16,9 +16,12 @@ docs/PERF.md, "tenth session"):
   columns, so its products are 1/8 of a 64-row tile's (2k chunk + 64 decodes: 332.5 against
   346 us on the H100, docs/PERF.md, "eleventh session").
 There is no CTA barrier in the loop, and the copies' instructions leave the consumers' issue
-slots. `setmaxnreg` moves registers: 40 a producer thread (56 if it stores rows), the rest to the consumers (216 with
-one consumer at two programs an SM, 232 with two at one; ptxas keeps them at ~168). At 24 the
-producer spilled where GROUP is 3, and the kernel died on an illegal instruction (H100).
+slots. `setmaxnreg` moves registers: 40 a producer thread (56 if it stores rows), the rest to the
+consumers (216 with one consumer at two programs an SM, 232 with two at one). ptxas reports the
+launch's 168 but allocates each partition within its own count (the consumers' SASS uses R227).
+At 24 the producer spilled where GROUP is 3, and the kernel died on an illegal instruction (H100).
+64-key tiles: 128-key ones, even without spills (a producer at 24 leaves the consumers 240),
+measured 9-12% slower (docs/PERF.md, "twelfth session").
 
 Constexprs are bound in a closure (`ws_kernel` builds one kernel per configuration): a
 partition's arguments reach it as run-time values in Triton 3.6, constexprs included.
