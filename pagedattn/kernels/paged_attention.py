@@ -63,7 +63,7 @@ from .paged_attention_config import (choose_mixed_decode_tile, choose_num_splits
 from . import hopper_prefill
 from .pdl import launch_options, use_pdl
 from .split_kv import SplitKVWorkspace, reduce_splits
-from .store_kv import StoreTarget, check_store, store_kv
+from .store_kv import StoreTarget, check_store, launch_store_kv
 
 
 # Integer arguments that change from step to step are not specialised on (Triton compiles a
@@ -315,7 +315,7 @@ def paged_attention(
         query, k_cache, v_cache, paged=paged, group=group, max_query_len=max_query_len, max_seq_len=max_seq_len,
         sliding_window=sliding_window, alibi_slopes=alibi_slopes, soft_cap=soft_cap, num_splits=num_splits))
     if store is not None and not (gluon and hopper_prefill.stores_rows(query, k_cache, v_cache, store)):
-        store_kv(k_cache, v_cache, *store, k_scale, v_scale)
+        launch_store_kv(k_cache, v_cache, *store, k_scale, v_scale)  # checked above
         store = None
     if num_tokens == 0 or num_seqs == 0:
         return out

@@ -129,6 +129,14 @@ def store_kv(
     k_scale, v_scale: 0-dim float32 device tensors (or python floats); used by FP8 caches only.
     """
     check_store(key, value, k_cache, v_cache, slot_mapping)
+    launch_store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def launch_store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor, k_scale: float | torch.Tensor = 1.0,
+                    v_scale: float | torch.Tensor = 1.0) -> None:
+    """`store_kv` for arguments `check_store` has already taken (a caller that checked them
+    itself: `paged_attention`'s `store`), without checking them again."""
     device = key.device
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0 or k_cache.numel() == 0:
