@@ -8,8 +8,9 @@
    the cache through the cross tables, or the step's own K/V rows);
 4. store the step's K/V once, at `slot_mapping` (DECODER) or `cross_slot_mapping`
    (ENCODER_DECODER), through `_store` on the K/V halves `Backend.split_kv_cache` gives, viewed
-   as [num_blocks, block_size, Hkv, D]; or, where the backend says so (`_stores_in_attend`: a
-   call that reads only the step's own rows), in that call (`AttendCall.store_slots`);
+   as [num_blocks, block_size, Hkv, D]; or, where the backend says so (`_stores_in_attend`:
+   a step of one call that writes the rows before it reads them), in that call
+   (`AttendCall.store_slots`);
 5. call the backend's `_attend` for each.
 A backend implements `_attend` (and `_store` when it has its own store kernel); backends that
 run the prefill and decode parts of a step separately set `split_parts`.
@@ -228,9 +229,9 @@ class AttentionImpl:
         store_kv(k, v, k_cache, v_cache, slots, ks, vs, plan)
 
     def _stores_in_attend(self, calls: list[AttendCall]) -> bool:
-        """Whether `_attend` writes the step's K/V itself, in the one call of `calls` (which then
-        reads only the step's rows, `keys_are_step_rows`: no call reads the cache before the
-        store). False here: `_store` runs first."""
+        """Whether `_attend` writes the step's K/V itself, in the one call of `calls` (with
+        `store_slots` set), before anything reads them: no other call reads the cache before
+        the store. False here: `_store` runs first."""
         return False
 
     def _attend(self, q: torch.Tensor, out: torch.Tensor, call: AttendCall, kv_cache: torch.Tensor | None,

@@ -111,23 +111,27 @@ class TritonImpl(AttentionImpl):
         store_kv(k, v, k_cache, v_cache, slots, ks, vs)
 
     def _stores_in_attend(self, calls: list[AttendCall]) -> bool:
-        # fresh prompts only: the launch reads the step's rows and may write them into the cache
-        # from inside the kernel (`paged_attention`'s `store`), saving the store launch
-        return len(calls) == 1 and calls[0].keys_are_step_rows
+        # The one launch of the step writes its rows (saving the store launch): fresh prompts
+        # read the step's rows and may write them from inside the kernel (`paged_attention`'s
+        # `store`); other cache steps hand them over as `new_kv`, which decode programs write
+        # before they read them (else `store_kv` runs first, inside `paged_attention`).
+        return len(calls) == 1 and calls[0].source is Source.CACHE and calls[0].step_k is not None
 
     def _attend(self, q, out, call: AttendCall, kv_cache, scales) -> None:
-        from pagedattn.kernels import StoreTarget, paged_attention, shared_workspace
+        from pagedattn.kernels import NewKV, StoreTarget, paged_attention, shared_workspace
 
         k, v, tables, kv_start_loc = call.k, call.v, call.block_tables, call.kv_start_loc
         # A step's decodes follow its prefills (builder.py), one query each: the launch gives them
         # a decode tile of their own. Step-row calls (encoders, profiling) number other sequences.
         md = call.md
         num_decodes = 0 if call.source is Source.STEP else md.num_seqs - md.num_prefills
-        store = None
+        store = new_kv = None
         if call.keys_are_step_rows:  # contiguous reads, no block table (H100, 4x4k: 417 vs 288 TFLOP/s)
             if call.store_slots is not None:
                 store = StoreTarget(k, v, call.store_slots)
             k, v, tables, kv_start_loc = call.step_k, call.step_v, None, call.query_start_loc
+        elif call.store_slots is not None:
+            new_kv = NewKV(call.step_k, call.step_v, call.store_slots)
         paged_attention(
             q, k, v, out,
             query_start_loc=call.query_start_loc, seq_lens=call.kv_lens, block_tables=tables,
@@ -135,6 +139,6 @@ class TritonImpl(AttentionImpl):
             sliding_window=self.sliding_window, alibi_slopes=self.alibi_slopes_on(q.device),
             soft_cap=self.logits_soft_cap, k_scale=scales.k if scales else 1.0, v_scale=scales.v if scales else 1.0,
             workspace=shared_workspace(q.device, self.num_heads, self.num_kv_heads, self.head_size),
-            kv_start_loc=kv_start_loc, num_decodes=num_decodes, store=store,
+            kv_start_loc=kv_start_loc, num_decodes=num_decodes, store=store, new_kv=new_kv,
         )
 

@@ -9,9 +9,10 @@ from .copy_blocks import copy_blocks
 from .merge_attn_states import merge_attn_states
 from .paged_attention import paged_attention
 from .split_kv import SplitKVWorkspace, reduce_splits, shared_workspace
-from .store_kv import StoreTarget, store_kv
+from .store_kv import NewKV, StoreTarget, store_kv
 
 __all__ = [
+    "NewKV",
     "SplitKVWorkspace",
     "StoreTarget",
     "advance_step",

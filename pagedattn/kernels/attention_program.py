@@ -9,6 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .store_kv import _write_rows
+
 
 @triton.jit
 def _tanh(x):
@@ -139,6 +141,8 @@ def _attend_program(
     stride_po_s, stride_po_t, stride_po_h, stride_po_d,
     stride_ps_s, stride_ps_t, stride_ps_h, stride_ps_c,
     stride_bt,
+    new_k_ptr, new_v_ptr, new_slot_ptr,
+    stride_nk_t, stride_nk_h, stride_nk_d, stride_nv_t, stride_nv_h, stride_nv_d,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr, EVICT: tl.constexpr,
@@ -146,10 +150,16 @@ def _attend_program(
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, FP8_KV: tl.constexpr, PAGED: tl.constexpr,
     WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    STORE_NEW: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANTISSA_BITS: tl.constexpr,
+    FP8_MIN_EXP: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """One program's work: queries q0..q0+BLOCK_Q of sequence b (rows q_begin.. of `q`, q_len
     of them) times the GROUP query heads of KV head kvh, over split `split` of its keys. The
-    tile shape is constexpr, so a kernel may call this with two shapes (mixed launches)."""
+    tile shape is constexpr, so a kernel may call this with two shapes (mixed launches).
+    STORE_NEW (launches where each sequence's queries are one tile): the program first writes
+    the new rows (`new_k_ptr`/`new_v_ptr`, row t the key/value of query row t, at
+    `new_slot_ptr[t]`) of head kvh whose positions lie in its split's key range, the only
+    programs that read them; FP8_* as `store_kv`'s `_write_rows` takes them."""
     if q0 >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + b)
@@ -208,6 +218,18 @@ def _attend_program(
     kv_row0 = b.to(tl.int64) * 0
     if not PAGED:
         kv_row0 = tl.load(kv_start_loc_ptr + b).to(tl.int64)
+    if STORE_NEW:
+        # the new rows at positions in [s_lo, s_hi) key tiles: this split is their only reader
+        i = tl.arange(0, BLOCK_M)
+        pos = seq_len - q_len + q0 + i
+        mine = (i < BLOCK_Q) & (q0 + i < q_len) & (pos >= s_lo * BLOCK_N) & (pos < s_hi * BLOCK_N)
+        _write_rows(new_k_ptr, new_v_ptr, k_ptr, v_ptr, new_slot_ptr, k_scale_ptr, v_scale_ptr,
+                    q_begin + q0 + i, kvh + i * 0, mine,
+                    stride_nk_t, stride_nk_h, stride_nk_d, stride_nv_t, stride_nv_h, stride_nv_d,
+                    stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+                    HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, FP8_KV, FP8_MAX, FP8_MANTISSA_BITS, FP8_MIN_EXP,
+                    INTERPRETED)
+        tl.debug_barrier()  # every thread's writes before any thread's loads of them
 
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)

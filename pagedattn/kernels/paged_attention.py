@@ -63,7 +63,7 @@ from .paged_attention_config import (choose_mixed_decode_tile, choose_num_splits
 from . import hopper_prefill
 from .pdl import launch_options, use_pdl
 from .split_kv import SplitKVWorkspace, reduce_splits
-from .store_kv import StoreTarget, check_store, launch_store_kv
+from .store_kv import NewKV, StoreTarget, check_store, fp8_constants, launch_store_kv
 
 
 # Integer arguments that change from step to step are not specialised on (Triton compiles a
@@ -87,6 +87,8 @@ def _paged_attention_kernel(
     stride_po_s, stride_po_t, stride_po_h, stride_po_d,
     stride_ps_s, stride_ps_t, stride_ps_h, stride_ps_c,
     stride_bt,
+    new_k_ptr, new_v_ptr, new_slot_ptr,
+    stride_nk_t, stride_nk_h, stride_nk_d, stride_nv_t, stride_nv_h, stride_nv_d,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, GROUP: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, MIXED: tl.constexpr,
@@ -96,6 +98,8 @@ def _paged_attention_kernel(
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, FP8_KV: tl.constexpr, PAGED: tl.constexpr,
     WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    STORE_NEW: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANTISSA_BITS: tl.constexpr,
+    FP8_MIN_EXP: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """`num_seqs` and `num_tiles` count the sequences and query tiles of the BLOCK_Q tile; a
     MIXED launch adds `num_decodes` sequences after them, one DEC_BLOCK_Q tile each."""
@@ -134,10 +138,12 @@ def _paged_attention_kernel(
             stride_vb, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
             stride_lt, stride_lh, stride_po_s, stride_po_t, stride_po_h, stride_po_d,
             stride_ps_s, stride_ps_t, stride_ps_h, stride_ps_c, stride_bt,
+            new_k_ptr, new_v_ptr, new_slot_ptr,
+            stride_nk_t, stride_nk_h, stride_nk_d, stride_nv_t, stride_nv_h, stride_nv_d,
             HEAD_SIZE, HEAD_PAD, GROUP, DEC_BLOCK_Q, DEC_BLOCK_M, DEC_BLOCK_N,
             DEC_STAGES, "evict_first",  # streamed once: keep the prefill's keys in L2 instead
             BLOCK_SIZE, SPLIT, CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, FP8_KV, PAGED,
-            WRITE_LSE, UPCAST, IEEE)
+            WRITE_LSE, UPCAST, IEEE, STORE_NEW, FP8_MAX, FP8_MANTISSA_BITS, FP8_MIN_EXP, INTERPRETED)
     else:
         if ONE_TILE:  # every sequence's queries fit one tile: tile pid is sequence pid
             b = pid
@@ -166,9 +172,11 @@ def _paged_attention_kernel(
             stride_vb, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
             stride_lt, stride_lh, stride_po_s, stride_po_t, stride_po_h, stride_po_d,
             stride_ps_s, stride_ps_t, stride_ps_h, stride_ps_c, stride_bt,
+            new_k_ptr, new_v_ptr, new_slot_ptr,
+            stride_nk_t, stride_nk_h, stride_nk_d, stride_nv_t, stride_nv_h, stride_nv_d,
             HEAD_SIZE, HEAD_PAD, GROUP, BLOCK_Q, BLOCK_M, BLOCK_N, None, "",
             BLOCK_SIZE, SPLIT, CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, FP8_KV, PAGED,
-            WRITE_LSE, UPCAST, IEEE)
+            WRITE_LSE, UPCAST, IEEE, STORE_NEW, FP8_MAX, FP8_MANTISSA_BITS, FP8_MIN_EXP, INTERPRETED)
 
 
 def search_steps(num_seqs: int) -> int:
@@ -205,6 +213,7 @@ def paged_attention(
     max_decode_query_len: int = 1,
     decode_tile: tuple[int, ...] | None = None,
     store: StoreTarget | None = None,
+    new_kv: NewKV | None = None,
 ) -> torch.Tensor:
     """Attention of `query` over the paged cache, written into `out` (returned).
 
@@ -245,6 +254,13 @@ def paged_attention(
         Gluon kernel writes them from its producer while the products run (`hopper_prefill.
         stores_rows`); otherwise `store_kv` runs first. The kernel writes the rows of the
         sequences' key ranges: rows outside every range must have slot -1.
+    new_kv: with paged caches, the step's new rows (key, value [T, Hkv, D], row t the key/value
+        of query row t) and their slots [T] int64 (-1: nowhere), written into k_cache/v_cache as
+        `store_kv(*new_kv[:2], k_cache, v_cache, new_kv.slot_mapping, k_scale, v_scale)` would,
+        before they are read. In a launch where each sequence's queries are one tile (decodes)
+        over a 16-bit cache each program writes the new rows of its own key range first, saving
+        the store launch; otherwise `store_kv` runs first. Rows outside every sequence's queries must have slot -1
+        (padding): the programs write only their sequences' rows. Causal launches only.
     """
     check_tensor(query, "query", ndim=3, dtypes=FLOAT_DTYPES)
     device = query.device
@@ -308,6 +324,13 @@ def paged_attention(
     if store is not None:
         check(not paged, "store without kv_start_loc", "contiguous key rows to store", "a paged launch")
         check_store(k_cache, v_cache, *store)
+    if new_kv is not None:
+        check(paged, "new_kv with kv_start_loc", "a paged launch (contiguous rows store through `store`)",
+              "kv_start_loc")
+        check(causal, "new_kv with causal=False", "causal=True (new rows end their sequences)", "causal=False")
+        check_store(new_kv.key, new_kv.value, k_cache, v_cache, new_kv.slot_mapping)
+        check(new_kv.key.shape[0] == num_tokens, "new_kv.key.shape[0]", f"{num_tokens} (a row per query row)",
+              new_kv.key.shape[0])
     check(0 <= num_decodes <= num_seqs, "num_decodes", f"0..{num_seqs} (the sequences)", num_decodes)
     check(max_decode_query_len >= 1, "max_decode_query_len", ">= 1", max_decode_query_len)
     group = num_heads // num_kv_heads
@@ -317,6 +340,9 @@ def paged_attention(
     if store is not None and not (gluon and hopper_prefill.stores_rows(query, k_cache, v_cache, store)):
         launch_store_kv(k_cache, v_cache, *store, k_scale, v_scale)  # checked above
         store = None
+    if new_kv is not None and (gluon or num_tokens == 0 or num_seqs == 0):
+        launch_store_kv(new_kv.key, new_kv.value, k_cache, v_cache, new_kv.slot_mapping, k_scale, v_scale)
+        new_kv = None
     if num_tokens == 0 or num_seqs == 0:
         return out
 
@@ -382,6 +408,13 @@ def paged_attention(
     # sequences before the decodes in a mixed launch (which always searches: one compiled variant
     # whatever its prefills' lengths).
     one_tile = max_query_len <= tile.block_q and not mixed
+    # Programs that share a sequence's keys (several query tiles) need the rows stored first. So
+    # do FP8 caches: written from inside the launch, FP8 decodes ran ~5 us slower a step than
+    # with `store_kv` before them (H100, thirteenth session; 16-bit caches gained 2-4 us), cause unknown.
+    if new_kv is not None and (not one_tile or fp8):
+        launch_store_kv(new_kv.key, new_kv.value, k_cache, v_cache, new_kv.slot_mapping, k_scale, v_scale)
+        new_kv = None
+    new_k, new_v, new_slots = new_kv if new_kv is not None else (query, query, seq_lens)  # never read without
     num_heavy = num_seqs - num_decodes if mixed else num_seqs
     num_tiles = num_seqs if one_tile else num_tokens // tile.block_q + num_heavy  # >= what every sequence needs
     num_mixed = num_decodes if mixed else 0
@@ -396,6 +429,7 @@ def paged_attention(
         num_mixed, mixed_lead(num_tiles) if mixed else 0, num_splits, min_tiles,
         *query.stride(), *kv_strides, *out.stride(), lse_arg.stride(0), lse_arg.stride(1),
         *part_out.stride(), *part_stats.stride(), bt_stride,
+        new_k, new_v, new_slots, *new_k.stride()[:3], *new_v.stride()[:3],
         HEAD_SIZE=head_size, HEAD_PAD=max(16, next_pow2(head_size)), GROUP=group,
         NUM_KV_HEADS=num_kv_heads,
         BLOCK_Q=tile.block_q, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, MIXED=mixed,
@@ -405,7 +439,8 @@ def paged_attention(
         CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None,
         USE_ALIBI=alibi_slopes is not None, USE_SOFTCAP=soft_cap is not None, FP8_KV=fp8,
         PAGED=paged, WRITE_LSE=lse is not None, UPCAST=INTERPRET,
-        IEEE=query.dtype == torch.float32, PDL=pdl,
+        IEEE=query.dtype == torch.float32, PDL=pdl, STORE_NEW=new_kv is not None,
+        **fp8_constants(k_cache.dtype),
         num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(device),
     )
     if num_splits > 1:

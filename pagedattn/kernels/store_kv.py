@@ -1,13 +1,15 @@
 """Write a step's new keys and values into the paged KV cache.
 
 Algorithm: one program per (token t, group of KV heads). It loads `slot = slot_mapping[t]`;
-`slot < 0` is padding and the program returns. Otherwise the token goes to block
+`slot < 0` is padding and writes nothing. Otherwise the token goes to block
 `slot // block_size`, offset `slot % block_size`; all address arithmetic is int64 so pools of
 more than 2^31 elements work. Float caches store the value cast to the cache dtype; FP8 caches
 store `clamp(x / scale, -fp8_max, fp8_max)` cast to FP8 (round to nearest even), with the scale
 read from a 0-dim device tensor so a captured CUDA graph sees scale updates. Under
 TRITON_INTERPRET the value is first rounded to the FP8 grid in float32, because the
-interpreter's own cast misrounds (the GPU's cvt instruction does not).
+interpreter's own cast misrounds (the GPU's cvt instruction does not). The row write
+(`_write_rows`) is shared with the attention kernel, whose decode programs may write their own
+new rows (`paged_attention`'s `new_kv`, `NewKV`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,47 @@ def _round_to_fp8_grid(x, MANTISSA_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
 
 
 @triton.jit
+def _write_rows(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
+    tok, head, ok,
+    stride_key_t, stride_key_h, stride_key_d,
+    stride_value_t, stride_value_h, stride_value_d,
+    stride_kc_b, stride_kc_s, stride_kc_h, stride_kc_d,
+    stride_vc_b, stride_vc_s, stride_vc_h, stride_vc_d,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANTISSA_BITS: tl.constexpr,
+    FP8_MIN_EXP: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """Write rows (token `tok[r]`, KV head `head[r]`) where `ok[r]`, each to the slot
+    `slot_mapping[tok[r]]` (< 0: nowhere): the store of `_store_kv_kernel`, and of an attention
+    program that writes its own new rows (`paged_attention`'s `new_kv`)."""
+    tok64 = tok.to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + tok64, mask=ok, other=-1).to(tl.int64)
+    ok = ok & (slot >= 0)
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    d64 = tl.arange(0, HEAD_PAD).to(tl.int64)[None, :]
+    h64 = head.to(tl.int64)[:, None]
+    mask = ok[:, None] & (d64 < HEAD_SIZE)
+    k = tl.load(key_ptr + tok64[:, None] * stride_key_t + h64 * stride_key_h + d64 * stride_key_d, mask=mask)
+    v = tl.load(value_ptr + tok64[:, None] * stride_value_t + h64 * stride_value_h
+                + d64 * stride_value_d, mask=mask)
+    if FP8:
+        # IEEE division (div_rn), as the PyTorch store: `/` compiles to an approximate divide
+        k = tl.clamp(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), -FP8_MAX, FP8_MAX)
+        v = tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -FP8_MAX, FP8_MAX)
+        if INTERPRETED:
+            k = _round_to_fp8_grid(k, FP8_MANTISSA_BITS, FP8_MIN_EXP)
+            v = _round_to_fp8_grid(v, FP8_MANTISSA_BITS, FP8_MIN_EXP)
+    k_dst = k_cache_ptr + (block * stride_kc_b + offset * stride_kc_s)[:, None] + h64 * stride_kc_h \
+        + d64 * stride_kc_d
+    v_dst = v_cache_ptr + (block * stride_vc_b + offset * stride_vc_s)[:, None] + h64 * stride_vc_h \
+        + d64 * stride_vc_d
+    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _store_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
     stride_key_t, stride_key_h, stride_key_d,
@@ -49,35 +92,14 @@ def _store_kv_kernel(
 ):
     if PDL:  # the attention kernel after this one may launch now (pdl.py); it waits for our writes
         tl.extra.cuda.gdc_launch_dependents()
-    t = tl.program_id(0)
-    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
-    if slot < 0:
-        return
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    d = tl.arange(0, HEAD_PAD)
-    mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_SIZE)[None, :]
-    h64 = h.to(tl.int64)[:, None]
-    d64 = d.to(tl.int64)[None, :]
-    t64 = t.to(tl.int64)
-
-    k = tl.load(key_ptr + t64 * stride_key_t + h64 * stride_key_h + d64 * stride_key_d, mask=mask)
-    v = tl.load(value_ptr + t64 * stride_value_t + h64 * stride_value_h
-                + d64 * stride_value_d, mask=mask)
-    if FP8:
-        # IEEE division (div_rn), as the PyTorch store: `/` compiles to an approximate divide
-        k = tl.clamp(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), -FP8_MAX, FP8_MAX)
-        v = tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -FP8_MAX, FP8_MAX)
-        if INTERPRETED:
-            k = _round_to_fp8_grid(k, FP8_MANTISSA_BITS, FP8_MIN_EXP)
-            v = _round_to_fp8_grid(v, FP8_MANTISSA_BITS, FP8_MIN_EXP)
-    k_dst = k_cache_ptr + block * stride_kc_b + offset * stride_kc_s + h64 * stride_kc_h \
-        + d64 * stride_kc_d
-    v_dst = v_cache_ptr + block * stride_vc_b + offset * stride_vc_s + h64 * stride_vc_h \
-        + d64 * stride_vc_d
-    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tok = tl.program_id(0) + h * 0
+    _write_rows(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
+                tok, h, h < NUM_KV_HEADS,
+                stride_key_t, stride_key_h, stride_key_d, stride_value_t, stride_value_h, stride_value_d,
+                stride_kc_b, stride_kc_s, stride_kc_h, stride_kc_d,
+                stride_vc_b, stride_vc_s, stride_vc_h, stride_vc_d,
+                HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, FP8, FP8_MAX, FP8_MANTISSA_BITS, FP8_MIN_EXP, INTERPRETED)
 
 
 class StoreTarget(NamedTuple):
@@ -87,6 +109,25 @@ class StoreTarget(NamedTuple):
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     slot_mapping: torch.Tensor
+
+
+class NewKV(NamedTuple):
+    """A paged launch's own new rows (`paged_attention`'s `new_kv`): key, value [T, Hkv, D], row t
+    the key/value of query row t, written into the launch's caches at `slot_mapping` [T] int64
+    (-1: nowhere) before any program reads them, as `store_kv` would."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+def fp8_constants(cache_dtype: torch.dtype) -> dict:
+    """The FP8 format constexprs of `_write_rows` for a cache of `cache_dtype` (unused by float
+    caches, whose FP8 flag is False)."""
+    fp8 = cache_dtype in FP8_DTYPES
+    return dict(FP8_MAX=float(torch.finfo(cache_dtype).max) if fp8 else 0.0,
+                FP8_MANTISSA_BITS=3 if cache_dtype == torch.float8_e4m3fn else 2,
+                FP8_MIN_EXP=-6 if cache_dtype == torch.float8_e4m3fn else -14, INTERPRETED=INTERPRET)
 
 
 def check_store(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -141,14 +182,11 @@ def launch_store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0 or k_cache.numel() == 0:
         return
-    fp8 = k_cache.dtype in FP8_DTYPES
-    if fp8:
+    if k_cache.dtype in FP8_DTYPES:
         k_scale_t = scale_tensor(k_scale, "k_scale", device)
         v_scale_t = scale_tensor(v_scale, "v_scale", device)
-        fp8_max = float(torch.finfo(k_cache.dtype).max)
     else:
         k_scale_t = v_scale_t = slot_mapping  # never read
-        fp8_max = 0.0
     head_pad = next_pow2(head_size)
     block_h = min(next_pow2(num_kv_heads), max(1, 4096 // head_pad))
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
@@ -156,9 +194,7 @@ def launch_store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
         key, value, k_cache, v_cache, slot_mapping, k_scale_t, v_scale_t,
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
         NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, BLOCK_H=block_h, HEAD_PAD=head_pad,
-        BLOCK_SIZE=k_cache.shape[1], FP8=fp8, FP8_MAX=fp8_max,
-        FP8_MANTISSA_BITS=3 if k_cache.dtype == torch.float8_e4m3fn else 2,
-        FP8_MIN_EXP=-6 if k_cache.dtype == torch.float8_e4m3fn else -14,
-        INTERPRETED=INTERPRET, PDL=use_pdl(key.device),
+        BLOCK_SIZE=k_cache.shape[1], FP8=k_cache.dtype in FP8_DTYPES, **fp8_constants(k_cache.dtype),
+        PDL=use_pdl(key.device),
         num_warps=1 if INTERPRET else 4,
     )
