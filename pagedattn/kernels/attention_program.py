@@ -150,8 +150,8 @@ def _attend_program(
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, FP8_KV: tl.constexpr, PAGED: tl.constexpr,
     WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    STORE_NEW: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANTISSA_BITS: tl.constexpr,
-    FP8_MIN_EXP: tl.constexpr, INTERPRETED: tl.constexpr,
+    STORE_NEW: tl.constexpr, NEW_ROWS: tl.constexpr, FP8_MAX: tl.constexpr,
+    FP8_MANTISSA_BITS: tl.constexpr, FP8_MIN_EXP: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """One program's work: queries q0..q0+BLOCK_Q of sequence b (rows q_begin.. of `q`, q_len
     of them) times the GROUP query heads of KV head kvh, over split `split` of its keys. The
@@ -159,7 +159,8 @@ def _attend_program(
     STORE_NEW (launches where each sequence's queries are one tile): the program first writes
     the new rows (`new_k_ptr`/`new_v_ptr`, row t the key/value of query row t, at
     `new_slot_ptr[t]`) of head kvh whose positions lie in its split's key range, the only
-    programs that read them; FP8_* as `store_kv`'s `_write_rows` takes them."""
+    programs that read them, as a [NEW_ROWS >= BLOCK_Q, HEAD_PAD] tile; FP8_* as `store_kv`'s
+    `_write_rows` takes them."""
     if q0 >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + b)
@@ -220,7 +221,7 @@ def _attend_program(
         kv_row0 = tl.load(kv_start_loc_ptr + b).to(tl.int64)
     if STORE_NEW:
         # the new rows at positions in [s_lo, s_hi) key tiles: this split is their only reader
-        i = tl.arange(0, BLOCK_M)
+        i = tl.arange(0, NEW_ROWS)
         pos = seq_len - q_len + q0 + i
         mine = (i < BLOCK_Q) & (q0 + i < q_len) & (pos >= s_lo * BLOCK_N) & (pos < s_hi * BLOCK_N)
         _write_rows(new_k_ptr, new_v_ptr, k_ptr, v_ptr, new_slot_ptr, k_scale_ptr, v_scale_ptr,

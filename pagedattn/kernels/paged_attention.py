@@ -98,8 +98,8 @@ def _paged_attention_kernel(
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, FP8_KV: tl.constexpr, PAGED: tl.constexpr,
     WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-    STORE_NEW: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANTISSA_BITS: tl.constexpr,
-    FP8_MIN_EXP: tl.constexpr, INTERPRETED: tl.constexpr,
+    STORE_NEW: tl.constexpr, NEW_ROWS: tl.constexpr, FP8_MAX: tl.constexpr,
+    FP8_MANTISSA_BITS: tl.constexpr, FP8_MIN_EXP: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """`num_seqs` and `num_tiles` count the sequences and query tiles of the BLOCK_Q tile; a
     MIXED launch adds `num_decodes` sequences after them, one DEC_BLOCK_Q tile each."""
@@ -143,7 +143,8 @@ def _paged_attention_kernel(
             HEAD_SIZE, HEAD_PAD, GROUP, DEC_BLOCK_Q, DEC_BLOCK_M, DEC_BLOCK_N,
             DEC_STAGES, "evict_first",  # streamed once: keep the prefill's keys in L2 instead
             BLOCK_SIZE, SPLIT, CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, FP8_KV, PAGED,
-            WRITE_LSE, UPCAST, IEEE, STORE_NEW, FP8_MAX, FP8_MANTISSA_BITS, FP8_MIN_EXP, INTERPRETED)
+            WRITE_LSE, UPCAST, IEEE, STORE_NEW, NEW_ROWS, FP8_MAX, FP8_MANTISSA_BITS, FP8_MIN_EXP,
+            INTERPRETED)
     else:
         if ONE_TILE:  # every sequence's queries fit one tile: tile pid is sequence pid
             b = pid
@@ -176,7 +177,8 @@ def _paged_attention_kernel(
             stride_nk_t, stride_nk_h, stride_nk_d, stride_nv_t, stride_nv_h, stride_nv_d,
             HEAD_SIZE, HEAD_PAD, GROUP, BLOCK_Q, BLOCK_M, BLOCK_N, None, "",
             BLOCK_SIZE, SPLIT, CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, FP8_KV, PAGED,
-            WRITE_LSE, UPCAST, IEEE, STORE_NEW, FP8_MAX, FP8_MANTISSA_BITS, FP8_MIN_EXP, INTERPRETED)
+            WRITE_LSE, UPCAST, IEEE, STORE_NEW, NEW_ROWS, FP8_MAX, FP8_MANTISSA_BITS, FP8_MIN_EXP,
+            INTERPRETED)
 
 
 def search_steps(num_seqs: int) -> int:
@@ -258,8 +260,8 @@ def paged_attention(
         of query row t) and their slots [T] int64 (-1: nowhere), written into k_cache/v_cache as
         `store_kv(*new_kv[:2], k_cache, v_cache, new_kv.slot_mapping, k_scale, v_scale)` would,
         before they are read. In a launch where each sequence's queries are one tile (decodes)
-        over a 16-bit cache each program writes the new rows of its own key range first, saving
-        the store launch; otherwise `store_kv` runs first. Rows outside every sequence's queries must have slot -1
+        each program writes the new rows of its own key range first, saving the store launch;
+        otherwise `store_kv` runs first. Rows outside every sequence's queries must have slot -1
         (padding): the programs write only their sequences' rows. Causal launches only.
     """
     check_tensor(query, "query", ndim=3, dtypes=FLOAT_DTYPES)
@@ -408,10 +410,8 @@ def paged_attention(
     # sequences before the decodes in a mixed launch (which always searches: one compiled variant
     # whatever its prefills' lengths).
     one_tile = max_query_len <= tile.block_q and not mixed
-    # Programs that share a sequence's keys (several query tiles) need the rows stored first. So
-    # do FP8 caches: written from inside the launch, FP8 decodes ran ~5 us slower a step than
-    # with `store_kv` before them (H100, thirteenth session; 16-bit caches gained 2-4 us), cause unknown.
-    if new_kv is not None and (not one_tile or fp8):
+    # programs that share a sequence's keys (several query tiles) need the rows stored first
+    if new_kv is not None and not one_tile:
         launch_store_kv(new_kv.key, new_kv.value, k_cache, v_cache, new_kv.slot_mapping, k_scale, v_scale)
         new_kv = None
     new_k, new_v, new_slots = new_kv if new_kv is not None else (query, query, seq_lens)  # never read without
@@ -440,6 +440,7 @@ def paged_attention(
         USE_ALIBI=alibi_slopes is not None, USE_SOFTCAP=soft_cap is not None, FP8_KV=fp8,
         PAGED=paged, WRITE_LSE=lse is not None, UPCAST=INTERPRET,
         IEEE=query.dtype == torch.float32, PDL=pdl, STORE_NEW=new_kv is not None,
+        NEW_ROWS=next_pow2(tile.block_q),
         **fp8_constants(k_cache.dtype),
         num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(device),
     )

@@ -88,10 +88,8 @@ def test_each_split_writes_the_rows_of_its_range(num_splits, shape):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
-def test_fp8_caches_store_first(kv_cache_dtype):
-    # FP8 decodes ran slower with their rows written inside the launch (paged_attention.py)
-    compare(batch_of(DECODES["multi_token_decode"], dtype=torch.bfloat16, kv_cache_dtype=kv_cache_dtype),
-            fused=False)
+def test_fp8_rows_quantised_as_store_kv(kv_cache_dtype):
+    compare(batch_of(DECODES["multi_token_decode"], dtype=torch.bfloat16, kv_cache_dtype=kv_cache_dtype))
 
 
 def test_window_and_gqa():
