@@ -100,7 +100,7 @@ suite() {
       while kill -0 "$(cat /tmp/fi-bg.pid)" 2>/dev/null && [ $SECONDS -lt $end ]; do sleep 5; done
       echo "fi-wait: $(kill -0 "$(cat /tmp/fi-bg.pid)" 2>/dev/null && echo still building || echo done) after $SECONDS s;" \
         "$(tail -1 "$LOGS/fi-build.log")" | tee -a "$summary" ;;
-    fa4|fa4-suite)  # FA4 carried in parts (.fa4a in one call, .fa4b in the next: see README), assembled
+    fa4|fa4-suite)  # FA4 carried in parts (.fa4a in one call, .fa4b in the next: see docs/GPU.md), assembled
       # once under /tmp/fa4site; fa4: the probe (FA4 against our interface); fa4-suite: the flash_attn
       # backend suite and the FlashAttention-interface grid with FA4 as the provider
       if [ ! -f /tmp/fa4site/.assembled ]; then

@@ -2,7 +2,7 @@
 launches it and owns the policy, the scope and the checks).
 
 FlashAttention-3's division of labour, without its ping-pong (measured: no gain here, see
-docs/PERF.md, "tenth session"):
+docs/PERF.md, "Gluon kernel tiles"; 2026-11-26, 3b17081):
 - a producer warpgroup copies Q (cp.async), then key/value tile t into ring slot t % STAGES
   once every consumer has handed that slot back (`empty`), completing its `full` mbarrier:
   over pages by cp.async (each producer thread's copies arrive on it when they land), over
@@ -14,14 +14,14 @@ docs/PERF.md, "tenth session"):
 - in a mixed launch on one consumer, a decode program (a few query rows: GROUP x its tokens)
   swaps the operands instead (`decode_tiles`): S^T = K Q^T and O^T += V^T P^T over 8-32 query
   columns, so its products are 1/8 of a 64-row tile's (2k chunk + 64 decodes: 332.5 against
-  346 us on the H100, docs/PERF.md, "eleventh session").
+  346 us on the H100, 6c37aaf, 2026-11-26; docs/PERF.md, "Mixed steps").
 There is no CTA barrier in the loop, and the copies' instructions leave the consumers' issue
 slots. `setmaxnreg` moves registers: 40 a producer thread (56 if it stores rows), the rest to the
 consumers (216 with one consumer at two programs an SM, 232 with two at one). ptxas reports the
 launch's 168 but allocates each partition within its own count (the consumers' SASS uses R227).
 At 24 the producer spilled where GROUP is 3, and the kernel died on an illegal instruction (H100).
 64-key tiles: 128-key ones, even without spills (a producer at 24 leaves the consumers 240),
-measured 9-12% slower (docs/PERF.md, "twelfth session").
+measured 9-12% slower (docs/PERF.md, "What was tried and not kept"; 2026-11-26, d7224da).
 
 Constexprs are bound in a closure (`ws_kernel` builds one kernel per configuration): a
 partition's arguments reach it as run-time values in Triton 3.6, constexprs included.
