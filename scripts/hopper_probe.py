@@ -26,7 +26,7 @@ from pagedattn.benchmarks.kernels.timing import median_event_ms
 from pagedattn.benchmarks.kernels.workload import make_workload
 from pagedattn.kernels import hopper_prefill as hp
 from pagedattn.kernels import store_kv
-from pagedattn.kernels.paged_attention import search_steps
+from pagedattn.kernels.attention_plan import search_steps
 
 
 def gluon_calls(w, tile):

@@ -12,6 +12,7 @@ from pagedattn.attention.impl import AttentionImpl
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.state import AttentionState
 from pagedattn.attention.types import AttentionType
+from pagedattn.device_profile import DeviceProfile
 from pagedattn.dtypes import KV_CACHE_DTYPE_NAMES
 from pagedattn.kv_cache import copy_blocks, swap_blocks
 
@@ -45,9 +46,21 @@ class AttentionBackend:
     def get_name() -> str:
         raise NotImplementedError
 
+    @classmethod
+    def capabilities_on(cls, profile: DeviceProfile) -> Capabilities:
+        """What the backend supports on a device of `profile` (`capabilities`, less what that
+        device cannot run, with the reason)."""
+        return cls.capabilities
+
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
         raise NotImplementedError
+
+    @classmethod
+    def plan_context_lens(cls) -> tuple[int, ...]:
+        """Sequence lengths at which the backend's launch plan changes (its tile classes), so an
+        engine's warm-up can reach each before requests do (none: one class)."""
+        return ()
 
     @classmethod
     def provider(cls) -> str:

@@ -18,7 +18,6 @@ run the prefill and decode parts of a step separately set `split_parts`.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -27,6 +26,7 @@ import torch
 from pagedattn.attention.kv_scales import KVScales, Scale
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.types import AttentionType
+from pagedattn.device_profile import DeviceProfile
 from pagedattn.dtypes import FP8_DTYPES, KV_CACHE_DTYPE_NAMES, kv_cache_dtype
 from pagedattn.kv_cache import store_kv
 
@@ -39,7 +39,7 @@ class Source(enum.Enum):
     STEP = "step"  # the step's own K/V rows (encoders; profiling runs with an empty cache)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class AttendCall:
     """The queries `q[rows]` of the sequences of `md` over one source of keys/values.
 
@@ -130,8 +130,11 @@ class AttentionImpl:
         self.attn_type = attn_type
         self.kv_scales = KVScales()
         self._alibi_on: dict[torch.device, torch.Tensor] = {}
+        self._last_views: tuple | None = None  # (kv_cache, block_size, K view, V view): `_cache_views`
+        self._checked_cache: tuple | None = None  # (kv_cache, what was checked): `_check_kv_cache`
         self._check_semantics()
-        self._check_capabilities(self.backend.capabilities)
+        # what the backend can run on this process's device (the current CUDA device, else the CPU)
+        self._check_capabilities(self.backend.capabilities_on(DeviceProfile.of()))
 
     def _check_semantics(self) -> None:
         if self.attn_type is not AttentionType.DECODER and self.sliding_window is not None:
@@ -145,7 +148,9 @@ class AttentionImpl:
         if caps.head_sizes and self.head_size not in caps.head_sizes:
             refusals.append(f"head_size={self.head_size} (supported: {list(caps.head_sizes)})")
         if self.kv_cache_dtype not in caps.kv_cache_dtypes:
-            refusals.append(f"kv_cache_dtype={self.kv_cache_dtype!r} (supported: {list(caps.kv_cache_dtypes)})")
+            why = dict(caps.why_not).get("kv_cache_dtype")
+            refusals.append(f"kv_cache_dtype={self.kv_cache_dtype!r} (supported: {list(caps.kv_cache_dtypes)}"
+                            f"{'; ' + why if why else ''})")
         if self.attn_type not in caps.attn_types:
             refusals.append(f"attn_type={self.attn_type.name} (supported: {[t.name for t in caps.attn_types]})")
         if self.alibi_slopes is not None and not caps.alibi:
@@ -203,22 +208,31 @@ class AttentionImpl:
         if cached:
             if kv_cache.dtype in FP8_DTYPES:
                 scales = self.kv_scales.update(k_scale, v_scale, kv_cache.device)
-            # [num_blocks, block_size, Hkv, D] each; a layout that flattens a block's slots
-            # (xformers) cannot name Hkv and D itself, the layer can.
-            k_cache, v_cache = (x.view(x.shape[0], md.block_size, self.num_kv_heads, self.head_size)
-                                for x in self.backend.split_kv_cache(kv_cache))
-        calls = self._calls(q, k, v, k_cache, v_cache, md)
-        if cached:
-            slots, cross = (md.slot_mapping, False) if self.attn_type is AttentionType.DECODER else (md.cross_slot_mapping, True)
-            if k is not None and slots is not None:
-                if self._stores_in_attend(calls):
-                    calls = [dataclasses.replace(calls[0], store_slots=slots)]
-                else:
-                    self._store(k, v, k_cache, v_cache, slots, scales, md, cross)
+            k_cache, v_cache = self._cache_views(kv_cache, md.block_size)
+        slots = None
+        if cached and k is not None:
+            slots = md.slot_mapping if self.attn_type is AttentionType.DECODER else md.cross_slot_mapping
+        calls = self._calls(q, k, v, k_cache, v_cache, md, slots)
+        if slots is not None and calls[0].store_slots is None:
+            self._store(k, v, k_cache, v_cache, slots, scales, md, self.attn_type is AttentionType.ENCODER_DECODER)
         for call in calls:
             if call.rows.start != call.rows.stop:
                 self._attend(q[call.rows], o[call.rows], call, kv_cache if cached else None, scales)
         return out
+
+    def _cache_views(self, kv_cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V halves of `kv_cache` (`Backend.split_kv_cache`), each viewed as [num_blocks,
+        block_size, Hkv, D] (a layout that flattens a block's slots, as xformers', cannot name Hkv
+        and D itself; the layer can). Kept for the layer's cache: every step of a layer passes
+        the same tensor, so the views are made once."""
+        key = (kv_cache.data_ptr(), kv_cache.shape, block_size)
+        last = self._last_views
+        if last is not None and last[0] is kv_cache and last[1] == key:
+            return last[2], last[3]
+        k_cache, v_cache = (x.view(x.shape[0], block_size, self.num_kv_heads, self.head_size)
+                            for x in self.backend.split_kv_cache(kv_cache))
+        self._last_views = (kv_cache, key, k_cache, v_cache)
+        return k_cache, v_cache
 
     def _store(self, k, v, k_cache, v_cache, slots: torch.Tensor, scales: KVScales | None,
                md: AttentionMetadata, cross: bool) -> None:
@@ -251,7 +265,16 @@ class AttentionImpl:
 
     # ------------------------------------------------------------------ sources
 
-    def _calls(self, q, k, v, k_cache, v_cache, md: AttentionMetadata) -> list[AttendCall]:
+    def _calls(self, q, k, v, k_cache, v_cache, md: AttentionMetadata,
+               slots: torch.Tensor | None = None) -> list[AttendCall]:
+        """The step's calls; with `slots` (the step's K/V to store there), the one call of a step
+        that writes them itself (`_stores_in_attend`) carries them as `store_slots`."""
+        calls = self._sources(q, k, v, k_cache, v_cache, md)
+        if slots is not None and self._stores_in_attend(calls):
+            calls[0].store_slots = slots
+        return calls
+
+    def _sources(self, q, k, v, k_cache, v_cache, md: AttentionMetadata) -> list[AttendCall]:
         kind, every = self.attn_type, slice(0, q.shape[0])
         if kind is AttentionType.ENCODER_ONLY:
             loc = md.query_start_loc
@@ -333,6 +356,25 @@ class AttentionImpl:
         return q, k, v
 
     def _check_kv_cache(self, kv_cache: torch.Tensor, query: torch.Tensor, md: AttentionMetadata) -> None:
+        bd = self.backend.kv_cache_block_dim
+        # The layout checks hold for as long as the layer gets the same cache and query dtype (every
+        # step of an engine): checked once, then only the step's block ids against the pool.
+        key = (kv_cache.shape, kv_cache.dtype, kv_cache.device, md.block_size, query.dtype, query.device)
+        checked = self._checked_cache
+        if checked is None or checked[0] is not kv_cache or checked[1] != key:
+            self._check_kv_layout(kv_cache, query, md)
+            self._checked_cache = (kv_cache, key)
+        n = kv_cache.shape[bd] if kv_cache.dim() > bd else 0
+        # Every block a kernel may read or write is named by the step's tables (slots included):
+        # a host int per table, recorded by `build`, against the pool's size.
+        if self.attn_type is AttentionType.DECODER:
+            largest, what = md.max_block_id, "block_tables"
+        else:
+            largest, what = md.max_cross_block_id, "cross_block_tables"
+        if largest >= n:
+            raise IndexError(f"expected block ids in [0, {n}) (the kv_cache's pool), got block {largest} in {what}")
+
+    def _check_kv_layout(self, kv_cache: torch.Tensor, query: torch.Tensor, md: AttentionMetadata) -> None:
         expected_dtype = kv_cache_dtype(self.kv_cache_dtype, query.dtype)
         if kv_cache.dtype != expected_dtype:
             raise TypeError(
@@ -349,14 +391,6 @@ class AttentionImpl:
                 f"expected kv_cache shape {tuple(expected)} (block_size={md.block_size}, Hkv={self.num_kv_heads}, "
                 f"D={self.head_size}), got {tuple(kv_cache.shape)}"
             )
-        # Every block a kernel may read or write is named by the step's tables (slots included):
-        # a host int per table, recorded by `build`, against the pool's size.
-        if self.attn_type is AttentionType.DECODER:
-            largest, what = md.max_block_id, "block_tables"
-        else:
-            largest, what = md.max_cross_block_id, "cross_block_tables"
-        if largest >= n:
-            raise IndexError(f"expected block ids in [0, {n}) (the kv_cache's pool), got block {largest} in {what}")
 
     def _check_output(self, output: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
         t = q.shape[0]
@@ -368,7 +402,7 @@ class AttentionImpl:
             raise ValueError(
                 f"expected a contiguous output of [{t}, {self.num_heads * self.head_size}], got {list(output.shape)}"
             )
-        return output.view(t, self.num_heads * self.head_size)
+        return output if output.dim() == 2 else output.view(t, self.num_heads * self.head_size)
 
 
 def layers_of(backend, impls) -> list[AttentionImpl]:
@@ -397,7 +431,7 @@ def _heads_view(name: str, x: torch.Tensor, tokens: int, heads: int, head_size: 
         )
     if x.stride(-1) != 1:
         raise ValueError(f"expected {name} with a unit stride in its last dimension, got strides {x.stride()}")
-    return x.unflatten(1, (heads, head_size)) if ok_2d else x
+    return x.view(tokens, heads, head_size) if ok_2d else x
 
 
 def _slopes(alibi_slopes, num_heads: int) -> torch.Tensor | None:

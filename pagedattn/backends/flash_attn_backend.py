@@ -63,6 +63,9 @@ class _ProviderCapabilities:
 class FlashAttnBackend(AttentionBackend):
     capabilities = _ProviderCapabilities()
 
+    # its launches fall back to our kernels: their plan's lengths
+    plan_context_lens = triton_backend.TritonBackend.plan_context_lens
+
     @staticmethod
     def get_name() -> str:
         return "flash_attn"

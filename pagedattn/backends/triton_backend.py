@@ -14,6 +14,7 @@ layer's `KVScales` as device scalars, so decode steps capture in CUDA graphs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 
@@ -24,6 +25,7 @@ from pagedattn.attention.builder import MetadataBuilder
 from pagedattn.attention.impl import AttendCall, AttentionImpl, Source
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.state import AttentionState
+from pagedattn.device_profile import DeviceProfile
 
 
 def unavailable_reasons() -> list[str]:
@@ -41,6 +43,26 @@ class TritonBackend(AttentionBackend):
     @staticmethod
     def get_name() -> str:
         return "triton"
+
+    @classmethod
+    def capabilities_on(cls, profile: DeviceProfile) -> Capabilities:
+        """FP8 e4m3 caches need sm_89 or later: Triton has no e4m3 conversions for sm_80/86
+        (A100, A10, RTX 3090; `fp8e4nv not supported in this architecture`). e5m2 runs anywhere."""
+        if profile.fp8_e4m3:
+            return cls.capabilities
+        return dataclasses.replace(
+            cls.capabilities, kv_cache_dtypes=tuple(d for d in cls.capabilities.kv_cache_dtypes
+                                                    if d not in ("fp8", "fp8_e4m3")),
+            why_not=cls.capabilities.why_not + (
+                ("kv_cache_dtype", f"FP8 e4m3 needs sm_89 or later; {profile.name} is "
+                                   f"sm_{profile.capability[0]}{profile.capability[1]}: use 'fp8_e5m2'"),))
+
+    @classmethod
+    def plan_context_lens(cls) -> tuple[int, ...]:
+        """Where the tile policy changes its key tiles (`paged_attention_config`)."""
+        from pagedattn.kernels.paged_attention_config import LONG_KEYS, LONG_PREFILL_KEYS, SHORT_KEYS
+
+        return (SHORT_KEYS, LONG_KEYS, LONG_PREFILL_KEYS)
 
     @classmethod
     def provider(cls) -> str:
@@ -104,6 +126,21 @@ class TritonImpl(AttentionImpl):
 
     backend = TritonBackend
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._device_facts: dict[torch.device, tuple] = {}
+
+    def _on_device(self, device: torch.device):
+        """(the `DeviceProfile` of `device`, the split-KV workspace of this layer's shape there),
+        looked up once per device."""
+        found = self._device_facts.get(device)
+        if found is None:
+            from pagedattn.kernels import shared_workspace
+
+            found = self._device_facts[device] = (
+                DeviceProfile.of(device), shared_workspace(device, self.num_heads, self.num_kv_heads, self.head_size))
+        return found
+
     def _store(self, k, v, k_cache, v_cache, slots, scales, md, cross) -> None:
         from pagedattn.kernels import store_kv
 
@@ -118,8 +155,7 @@ class TritonImpl(AttentionImpl):
         return len(calls) == 1 and calls[0].source is Source.CACHE and calls[0].step_k is not None
 
     def _attend(self, q, out, call: AttendCall, kv_cache, scales) -> None:
-        from pagedattn.kernels import NewKV, StoreTarget, paged_attention, shared_workspace
-
+        NewKV, StoreTarget, launch_facts, plan_attention, run_plan = _kernels()
         k, v, tables, kv_start_loc = call.k, call.v, call.block_tables, call.kv_start_loc
         # A step's decodes follow its prefills (builder.py), one query each: the launch gives them
         # a decode tile of their own. Step-row calls (encoders, profiling) number other sequences.
@@ -132,13 +168,27 @@ class TritonImpl(AttentionImpl):
             k, v, tables, kv_start_loc = call.step_k, call.step_v, None, call.query_start_loc
         elif call.store_slots is not None:
             new_kv = NewKV(call.step_k, call.step_v, call.store_slots)
-        paged_attention(
-            q, k, v, out,
-            query_start_loc=call.query_start_loc, seq_lens=call.kv_lens, block_tables=tables,
-            max_query_len=call.max_query_len, max_seq_len=call.max_kv_len, scale=self.scale, causal=call.causal,
-            sliding_window=self.sliding_window, alibi_slopes=self.alibi_slopes_on(q.device),
-            soft_cap=self.logits_soft_cap, k_scale=scales.k if scales else 1.0, v_scale=scales.v if scales else 1.0,
-            workspace=shared_workspace(q.device, self.num_heads, self.num_kv_heads, self.head_size),
-            kv_start_loc=kv_start_loc, num_decodes=num_decodes, store=store, new_kv=new_kv,
-        )
+        paged = kv_start_loc is None
+        profile, workspace = self._on_device(q.device)
+        facts = launch_facts(
+            profile, q, k, v, num_seqs=call.query_start_loc.shape[0] - 1,
+            max_query_len=call.max_query_len, max_seq_len=call.max_kv_len, num_decodes=num_decodes,
+            max_decode_query_len=1, paged=paged, causal=call.causal, window=self.sliding_window is not None,
+            alibi=self.alibi_slopes is not None, soft_cap=self.logits_soft_cap is not None, lse=False,
+            split_limit=workspace.splits_for(q.shape[0], self.num_heads, self.head_size), store=store,
+            new_kv=new_kv is not None)
+        run_plan(plan_attention(facts), q, k, v, out, query_start_loc=call.query_start_loc, seq_lens=call.kv_lens,
+                 block_tables=tables, kv_start_loc=kv_start_loc, scale=self.scale,
+                 sliding_window=self.sliding_window, alibi_slopes=self.alibi_slopes_on(q.device),
+                 soft_cap=self.logits_soft_cap, k_scale=scales.k if scales else 1.0,
+                 v_scale=scales.v if scales else 1.0, lse=None, workspace=workspace, store=store, new_kv=new_kv)
 
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    """The kernel package's entry points, imported on first use (importing it imports triton)."""
+    from pagedattn.kernels import NewKV, StoreTarget
+    from pagedattn.kernels.attention_plan import plan_attention
+    from pagedattn.kernels.paged_attention import launch_facts, run_plan
+
+    return NewKV, StoreTarget, launch_facts, plan_attention, run_plan

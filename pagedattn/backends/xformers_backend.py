@@ -67,6 +67,9 @@ def _device_type() -> str:
 class XFormersBackend(AttentionBackend):
     capabilities = triton_backend.TritonBackend.capabilities  # every part can run on our kernels
 
+    # its launches fall back to our kernels: their plan's lengths
+    plan_context_lens = triton_backend.TritonBackend.plan_context_lens
+
     @staticmethod
     def get_name() -> str:
         return "xformers"

@@ -29,7 +29,7 @@ BENCHMARKS = {b.name: b for b in (
     Benchmark("backends", "pagedattn.benchmarks.backends",
               "every registered backend through impl.forward on identical inputs (GPU)"),
     Benchmark("overhead", "pagedattn.benchmarks.overhead",
-              "host time of one layer's impl.forward per backend, eager decode, B=1 (CPU or GPU)"),
+              "host time of one layer's impl.forward per backend: eager decode, mixed or prefill steps (CPU or GPU)"),
     Benchmark("engine", "pagedattn.benchmarks.engine",
               "the engine against transformers' generate_batch at real model shapes: throughput, latency"),
 )}

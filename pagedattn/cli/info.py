@@ -23,6 +23,7 @@ def run(_args: argparse.Namespace) -> int:
     import torch
 
     import pagedattn
+    from pagedattn.device_profile import DeviceProfile
 
     print(f"pagedattn {pagedattn.__version__}")
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {_version('triton')}, "
@@ -33,7 +34,11 @@ def run(_args: argparse.Namespace) -> int:
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
-            print(f"  cuda:{i} {p.name}, sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}")
+            d = DeviceProfile.of(torch.device("cuda", i))
+            print(f"  cuda:{i} {p.name}, sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}; "
+                  f"{d.num_sms} SMs, {d.smem_per_block // 1024} KiB shared memory a program, "
+                  f"{d.l2_bytes >> 20} MiB L2, {d.bandwidth_gbs:.0f} GB/s; FP8 e4m3 {'yes' if d.fp8_e4m3 else 'no'}, "
+                  f"TMA {'yes' if d.tma else 'no'}, wgmma {'yes' if d.wgmma else 'no'}")
     else:
         print("  (no CUDA device)")
     print("backends:")

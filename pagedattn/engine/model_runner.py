@@ -255,7 +255,7 @@ class ModelRunner:
         """Run `warmup_steps` (dummy steps of every shape class) so kernels compile now, not mid-run."""
         steps = warmup_steps(block_size=self.block_size, num_blocks=self.num_blocks,
                              max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
-                             max_model_len=self.spec.max_model_len)
+                             max_model_len=self.spec.max_model_len, plan_lengths=self.backend.plan_context_lens())
         start = time.perf_counter()
         with kv_scale_calibration_paused(self.model):  # dummy K/V must not set FP8 scales
             for seqs in steps:

@@ -7,8 +7,9 @@ each specialised integer argument (1, a multiple of 16, other). Each compile tak
 more; met mid-run it stalls every running request behind it. An offline batch meets few
 variants, a server meets them as its batches change: on the H100, 8 requests/s of ShareGPT-like
 lengths saw inter-token gaps of 1.8 s at p99. The steps here are shaped like what requests
-bring, at each context class the tile policy (`kernels/paged_attention_config.py`) tells apart,
-as far as the engine's limits reach:
+bring, at each context class the backend's plan tells apart (`plan_lengths`: the sequence
+lengths where its tiles change, `AttentionBackend.plan_context_lens`), as far as the engine's
+limits reach:
 - fresh prompts of 1 token up to 1024 (every query-tile class; keys read from the step's rows),
   and one of the whole token budget: a long prompt's first chunk, which takes the long
   contiguous tile where the budget reaches that tile's threshold;
@@ -44,15 +45,14 @@ MIXED_DECODES = (1, 15, 16, 63)
 
 
 def warmup_steps(*, block_size: int, num_blocks: int, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int) -> list[list[ScheduledSeq]]:
+                 max_model_len: int, plan_lengths: tuple[int, ...] = ()) -> list[list[ScheduledSeq]]:
     """The dummy steps, each a list of `ScheduledSeq` within the engine's limits (tokens per
-    step, sequences per step, the model's context, the pool's blocks)."""
-    # The policy's thresholds, from their owner (imported here: pagedattn.kernels imports triton).
-    from pagedattn.kernels.paged_attention_config import LONG_KEYS, LONG_PREFILL_KEYS, SHORT_KEYS
-
+    step, sequences per step, the model's context, the pool's blocks), at the backend's
+    `plan_lengths` (none: PREFIX_LEN stands for every class)."""
     max_len = min(max_model_len, num_blocks * block_size)
     budget = min(max_num_batched_tokens, max_len)
-    long_keys = max(LONG_KEYS, LONG_PREFILL_KEYS)  # from here decode and paged prefill tiles are long
+    short_keys = min(plan_lengths, default=PREFIX_LEN)
+    long_keys = max(plan_lengths, default=PREFIX_LEN)  # from here decode and paged prefill tiles are long
 
     def seq(seq_len: int, query_len: int) -> ScheduledSeq:
         return ScheduledSeq(seq_len, query_len, list(range(cdiv(seq_len, block_size))))
@@ -71,7 +71,7 @@ def warmup_steps(*, block_size: int, num_blocks: int, max_num_batched_tokens: in
     for q in queries:
         steps += chunks(PREFIX_LEN + q, q)
     for q in SHORT_QUERY_LENS:
-        steps += chunks(SHORT_KEYS, q)
+        steps += chunks(short_keys, q)
     for q in LONG_QUERY_LENS:
         steps += chunks(long_keys, q)
     steps += chunks(long_keys + budget, budget)

@@ -3,7 +3,6 @@
 Importing this package imports triton; the rest of the library imports it lazily.
 """
 
-from ._common import num_sms
 from .advance_step import advance_step
 from .copy_blocks import copy_blocks
 from .merge_attn_states import merge_attn_states
@@ -18,7 +17,6 @@ __all__ = [
     "advance_step",
     "copy_blocks",
     "merge_attn_states",
-    "num_sms",
     "paged_attention",
     "reduce_splits",
     "shared_workspace",

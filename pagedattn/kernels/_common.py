@@ -7,7 +7,6 @@ wrongly; interpreted kernels upcast every loaded value to float32 instead.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -55,11 +54,3 @@ def scale_tensor(scale: float | torch.Tensor, name: str, device: torch.device) -
         check(scale.device == device, f"{name}.device", device, scale.device)
         return scale
     return torch.full((), float(scale), dtype=torch.float32, device=device)
-
-
-@functools.lru_cache(maxsize=None)
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of `device` (1 off CUDA: the interpreter has no occupancy)."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -16,14 +16,14 @@ so that their key reads run beside the prefill's products):
   run the loop and hand slots back by mbarriers, with registers moved to them (`setmaxnreg`).
   A mixed launch's decodes run with swapped operands (query columns, not rows); over a step's
   own rows the producer can also write them into the paged cache (`store`).
-  1.05-1.16x the kernel below at head size 128 (docs/PERF.md, "tenth session").
+  1.05-1.16x the kernel below at head size 128 (docs/PERF.md, "Gluon kernel tiles"; 3b17081).
 - head size 64: the kernel here, one program of 4 warps (one warpgroup) doing both: key/value
   tiles over pages (any page size) by `cp.async` into a ring of STAGES slots, a tile's block ids
   loaded one iteration before its copies are issued, each thread copying RPT consecutive rows
   (one block id, one 64-bit page address and compile-time row offsets where they share a page),
   masks on the last tile only; one CTA barrier an iteration frees the slot of tile j-2 for tile
   j + STAGES - 2. Its loop is bound by issue slots (ncu: ~0.43 instructions a cycle a
-  scheduler; docs/PERF.md, "ninth session"). At head size 64 it beats the warp-specialised
+  scheduler; ncu on c0a67d3, 2026-11-26). At head size 64 it beats the warp-specialised
   kernel (e.g. 16x1k paged 258 vs 220 TFLOP/s): there the products are half as long, and a
   producer's hand-offs cost more than they hide.
 Contiguous keys (a step's own rows) come by TMA, one bulk copy a tile, completing its slot's
@@ -37,14 +37,17 @@ not, no sliding window, ALiBi, soft cap or FP8, unsplit; Triton 3.6 on sm_90.
 
 from __future__ import annotations
 
-import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 
+from pagedattn.device_profile import DeviceProfile
+
 from ._common import INTERPRET, next_pow2
 from .hopper_parts import GLUON, LOG2E
+from .launch import BoundKernel, bind
 from .store_kv import StoreTarget
 
 if GLUON:
@@ -67,11 +70,11 @@ TRITON_VERSIONS = ("3.6.",)
 # Tiles (BLOCK_N keys, STAGES, warps that compute): for the warp-specialised kernel, 4 or 8
 # consumer warps (one or two warpgroups, 64 rows each; a producer warpgroup comes on top); for
 # the one-warpgroup kernel, 4 or 8 warps (16 rows each). Fitted on the H100 (docs/PERF.md,
-# "tenth session"): two consumers with 64-key tiles and 4 stages (one program an SM, 160 KiB of
+# "Gluon kernel tiles"; 3b17081, 2026-11-26): two consumers with 64-key tiles and 4 stages (one program an SM, 160 KiB of
 # shared memory) beat one (two programs an SM) on every prefill-only case (32/8/128 paged
 # 16x1k 316 vs 308 TFLOP/s, 4x4k 436 vs 419, 1x16k 498 vs 446); with decodes in the launch one
 # consumer wins, its decodes on the swapped-operand body (8 query columns, not 64 or 128 rows:
-# 2k chunk + 64 decodes 332.5 vs 376.5 us, 2 prompts of 2k + 8 decodes 206.8 vs 206.4; eleventh session).
+# 2k chunk + 64 decodes 332.5 vs 376.5 us, 2 prompts of 2k + 8 decodes 206.8 vs 206.4; 6c37aaf).
 WS_TILE = (64, 4, 8)
 WS_MIXED_TILE = (64, 3, 4)
 ONE_WARPGROUP_TILE = (64, 3, 4)
@@ -102,8 +105,10 @@ def check_tile(tile: tuple[int, int, int], head_size: int) -> None:
                          f"a program may hold {SMEM_BYTES // 1024 - 1}")
 
 
-def unavailable_reason(device: torch.device) -> str | None:
-    """Why this kernel cannot run on `device` (None: it can, for the launches `supported` takes)."""
+def unavailable_reason(device: torch.device | DeviceProfile) -> str | None:
+    """Why this kernel cannot run on `device` (or a device of that profile; None: it can, for the
+    launches `takes` takes)."""
+    profile = device if isinstance(device, DeviceProfile) else DeviceProfile.of(device)
     if not GLUON:
         return "this Triton has no Gluon Hopper API"
     if not ENABLED:
@@ -112,32 +117,45 @@ def unavailable_reason(device: torch.device) -> str | None:
         return "Gluon kernels do not run under TRITON_INTERPRET"
     if not triton.__version__.startswith(TRITON_VERSIONS):
         return f"checked against Triton {'/'.join(v + 'x' for v in TRITON_VERSIONS)}, found {triton.__version__}"
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-        return "needs an sm_90 GPU (H100/H200)"
+    if not profile.wgmma:
+        return "needs an sm_90 GPU (H100/H200): warpgroup MMAs"
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _runs_on(device: torch.device) -> bool:
-    return unavailable_reason(device) is None
+def layout_ok(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, paged: bool) -> bool:
+    """Whether the tensors' layout lets this kernel run: heads of unit stride and 16-element
+    strides, 16-byte aligned (cp.async and TMA move 16 bytes; Triton specialises strides
+    divisible by 16); over contiguous keys, a row's heads adjacent (TMA reads [rows, Hkv * D])."""
+    head_size = query.shape[-1]
+    keys_ok = paged or (k_cache.shape[0] > 0 and k_cache.stride(-2) == head_size and v_cache.stride(-2) == head_size)
+    return keys_ok and all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(x % 16 == 0 for x in t.stride()[:-1])
+                           for t in (query, k_cache, v_cache))
+
+
+def takes(profile: DeviceProfile, f) -> bool:
+    """Whether a launch with facts `f` (an `attention_plan.LaunchFacts`) takes this kernel on a
+    device of `profile`: a prefill-like step (more rows than a decode tile) over paged keys, or
+    over contiguous keys at CONTIGUOUS_HEAD_SIZES, within the scope above."""
+    group = f.num_heads // f.num_kv_heads
+    return (f.gluon_layout and f.head_size in HEAD_SIZES and (f.paged or f.head_size in CONTIGUOUS_HEAD_SIZES)
+            and next_pow2(f.max_query_len * group) > 64 and group <= 16
+            and f.q_dtype in (torch.float16, torch.bfloat16) and f.kv_dtype == f.q_dtype
+            and not (f.window or f.alibi or f.soft_cap) and f.num_splits in (None, 1)
+            and profile.wgmma and unavailable_reason(profile) is None)
 
 
 def supported(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, paged: bool, group: int,
               max_query_len: int, max_seq_len: int, sliding_window, alibi_slopes, soft_cap, num_splits) -> bool:
-    """Whether a launch takes this kernel: a prefill-like step (more rows than a decode tile)
-    over paged keys, or over contiguous keys where that is faster (CONTIGUOUS_*: heads adjacent
-    in a row, as TMA reads them), on an H100/H200, within the scope above, heads of unit stride
-    and 16-element strides (cp.async and TMA move 16 bytes; Triton specialises strides divisible
-    by 16)."""
+    """`takes` for a launch of these tensors on their device (tests and probes)."""
+    from .attention_plan import LaunchFacts
+
     head_size = query.shape[-1]
-    keys_ok = paged or (head_size in CONTIGUOUS_HEAD_SIZES and k_cache.shape[0] > 0
-                        and k_cache.stride(-2) == head_size and v_cache.stride(-2) == head_size)
-    return (keys_ok and head_size in HEAD_SIZES and next_pow2(max_query_len * group) > 64 and group <= 16
-            and query.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == query.dtype
-            and sliding_window is None and alibi_slopes is None and soft_cap is None
-            and num_splits in (None, 1) and _runs_on(query.device)
-            and all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(x % 16 == 0 for x in t.stride()[:-1])
-                    for t in (query, k_cache, v_cache)))
+    f = LaunchFacts(DeviceProfile.of(query.device), query.shape[0], 1, max_query_len, max_seq_len, 0, 1,
+                    query.shape[1], query.shape[1] // group, head_size, query.dtype, k_cache.dtype,
+                    k_cache.shape[1] if paged else 1, paged, True, sliding_window is not None,
+                    alibi_slopes is not None, soft_cap is not None, False, 1, False, False,
+                    layout_ok(query, k_cache, v_cache, paged=paged), False, (), num_splits=num_splits)
+    return takes(f.profile, f)
 
 
 if GLUON:
@@ -336,72 +354,126 @@ def stores_rows(query: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
             and k_pages.stride(-1) == 1 and k_rows.stride() == v_rows.stride())
 
 
-def hopper_prefill(query, k_cache, v_cache, out, *, query_start_loc, seq_lens, block_tables, scale, causal,
-                   lse, kv_start_loc, max_seq_len: int, search_steps: int, num_decodes: int = 0,
-                   max_decode_query_len: int = 0, tile: tuple[int, int, int] | None = None,
-                   store: StoreTarget | None = None) -> None:
-    """Launch the kernel for the head size; `paged_attention` has checked every argument and
-    `supported` holds. `num_decodes`: the last sequences that are decodes of at most
-    `max_decode_query_len` tokens (as `paged_attention` takes them): interleaved among the
-    prefill tiles where one tile holds each. `tile` forces (BLOCK_N, STAGES, warps) for tuning
-    runs (`check_tile` says which are valid). `store` (contiguous rows, `stores_rows` holds):
-    the producer also writes each program's rows into those pages."""
-    num_tokens, num_heads, head_size = query.shape
-    num_kv_heads = k_cache.shape[-2]
-    group = num_heads // num_kv_heads
-    num_seqs = query_start_loc.shape[0] - 1
+@dataclass(eq=False)
+class HopperPlan:
+    """A launch of this kernel, decided (`plan_hopper`); `run_hopper` launches it."""
+
+    tile: tuple[int, int, int]  # (BLOCK_N, STAGES, warps that compute)
+    ws: bool  # the warp-specialised kernel
+    block_m: int
+    num_decodes: int  # decodes interleaved as their own programs (0: every sequence takes query tiles)
+    decode_rows: int  # the swapped decode body's query columns (0: none)
+    paged: bool
+    block_size: int
+    causal: bool
+    write_lse: bool
+    store_block_size: int  # > 0: the producer writes the rows into pages of this size
+    search_steps: int
+    head_size: int
+    group: int
+    num_kv_heads: int
+    stride_ks: int
+    stride_vs: int
+    bound: BoundKernel | None = None
+
+
+def plan_hopper(f, *, search_steps: int, tile: tuple[int, int, int] | None = None) -> HopperPlan:
+    """The plan of a launch with facts `f` (`attention_plan.LaunchFacts`; `takes` holds).
+    `tile` forces (BLOCK_N, STAGES, warps) for tuning runs (`check_tile` says which are valid)."""
+    head_size, group = f.head_size, f.num_heads // f.num_kv_heads
     ws = head_size in WS_HEAD_SIZES
+    num_decodes = f.num_decodes
     if tile is None:
         tile = choose_tile(head_size, num_decodes)
     check_tile(tile, head_size)
     block_n, stages, warps = tile
     block_m = 64 * (warps // 4) if ws else 16 * warps
     block_q = max(1, block_m // group)
-    if not (0 < num_decodes < num_seqs and max_decode_query_len <= block_q):
+    if not (0 < num_decodes < f.num_seqs and f.max_decode_query_len <= block_q):
         num_decodes = 0  # decodes, if any, are query tiles like the others
+    # a mixed launch's decodes on one consumer: the swapped-operand body where their rows fit
+    decode_rows = swapped_decode_rows(next_pow2(group * f.max_decode_query_len), consumers=warps // 4,
+                                      block_n=block_n, head=head_size) if ws and num_decodes else 0
+    ks, vs = f.kv_strides[:len(f.kv_strides) // 2], f.kv_strides[len(f.kv_strides) // 2:]
+    store_block_size = f.store if f.gluon_store else 0
+    return HopperPlan(tile, ws, block_m, num_decodes, decode_rows, f.paged, f.block_size, f.causal, f.lse,
+                      store_block_size, search_steps, head_size, group, f.num_kv_heads,
+                      ks[1] if f.paged else 0, vs[1] if f.paged else 0)
+
+
+def run_hopper(plan: HopperPlan, query, k_cache, v_cache, out, *, query_start_loc, seq_lens, block_tables, scale,
+               lse, kv_start_loc, store: StoreTarget | None = None) -> None:
+    """Launch `plan` over these tensors (checked by `paged_attention`, of the plan's facts).
+    `store` (contiguous rows; the plan's facts say the producer can write them): the producer
+    also writes each program's rows into those pages."""
+    num_tokens = query.shape[0]
+    num_seqs = query_start_loc.shape[0] - 1
+    head_size, num_kv_heads = plan.head_size, plan.num_kv_heads
+    block_n, stages, warps = plan.tile
+    block_q = max(1, plan.block_m // plan.group)
+    num_decodes = plan.num_decodes
     num_heavy = num_seqs - num_decodes
     num_tiles = (num_tokens - num_decodes) // block_q + num_heavy  # >= the prefill sequences' tiles
-    paged = kv_start_loc is None
-    if paged:
+    if plan.paged:
         kv = (block_tables, seq_lens, *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0))
-        block_size = k_cache.shape[1]
         k_src, v_src = k_cache, v_cache
     else:  # contiguous rows [total_kv, Hkv, D], read by TMA as [total_kv, Hkv * D] tiles (and by
         # the producer's row store, through their strides)
         kv = (seq_lens, kv_start_loc, k_cache.stride(0), 0, k_cache.stride(1), v_cache.stride(0), 0,
               v_cache.stride(1), 0)
-        block_size = 1
         layout = gl.NVMMASharedLayout.get_default_for([block_n, head_size], gl.float16)  # 16-bit
         k_src, v_src = (TensorDescriptor(x, [x.shape[0], num_kv_heads * head_size], [x.stride(0), 1],
                                          [block_n, head_size], layout) for x in (k_cache, v_cache))
-    bt, kv_start, skb, sks, skh, svb, svs, svh, sbt = kv
+    bt, kv_start, skb, _, skh, svb, _, svh, sbt = kv
     lse_arg = lse if lse is not None else seq_lens.view(-1, 1)
     args = (query, k_src, v_src, out, lse_arg, query_start_loc, seq_lens, bt, kv_start,
             float(scale) * LOG2E, num_heavy, num_tiles, num_decodes,
             query.stride(0), query.stride(1), skb, skh, svb, svh,
             out.stride(0), out.stride(1), lse_arg.stride(0), lse_arg.stride(1), sbt)
-    if store is not None:
-        k_pages, v_pages, slots = store
-        store_args = (k_cache, v_cache, slots, k_pages, v_pages, *k_pages.stride()[:3])
-        store_block_size = k_pages.shape[1]
-    else:  # never read
-        store_args = (query, query, seq_lens, query, query, 0, 0, 0)
-        store_block_size = 0
     grid = ((num_tiles + num_decodes) * num_kv_heads,)
-    if ws:
-        # a mixed launch's decodes on one consumer: the swapped-operand body where their rows fit
-        decode_rows = swapped_decode_rows(next_pow2(group * max_decode_query_len), consumers=warps // 4,
-                                          block_n=block_n, head=head_size) if num_decodes else 0
-        kernel = ws_kernel(head=head_size, group=group, num_kv_heads=num_kv_heads, block_n=block_n,
-                           block_size=block_size, stride_ks=sks, stride_vs=svs, stages=stages,
-                           search_steps=search_steps, causal=bool(causal), paged=paged, write_lse=lse is not None,
-                           consumers=warps // 4, store_block_size=store_block_size, decode_rows=decode_rows)
-        # one consumer: two programs an SM, so the registers are split for two (128 a thread
-        # at launch; `setmaxnreg` then moves them from the producer to the consumer)
-        kernel[grid](*args, *store_args, num_warps=4, **({"maxnreg": 128} if warps == 4 else {}))
+    if plan.ws:
+        if store is not None:
+            k_pages, v_pages, slots = store
+            store_args = (k_cache, v_cache, slots, k_pages, v_pages, *k_pages.stride()[:3])
+        else:  # never read
+            store_args = (query, query, seq_lens, query, query, 0, 0, 0)
+        if plan.bound is None:
+            kernel = ws_kernel(head=head_size, group=plan.group, num_kv_heads=num_kv_heads, block_n=block_n,
+                               block_size=plan.block_size, stride_ks=plan.stride_ks, stride_vs=plan.stride_vs,
+                               stages=stages, search_steps=plan.search_steps, causal=plan.causal, paged=plan.paged,
+                               write_lse=plan.write_lse, consumers=warps // 4,
+                               store_block_size=plan.store_block_size,
+                               decode_rows=plan.decode_rows)
+            # one consumer: two programs an SM, so the registers are split for two (128 a thread
+            # at launch; `setmaxnreg` then moves them from the producer to the consumer)
+            plan.bound = bind(kernel, {}, dict(num_warps=4, **({"maxnreg": 128} if warps == 4 else {})))
+        plan.bound(grid, *args, *store_args)
         return
-    _one_warpgroup_kernel[grid](
-        *args, HEAD=head_size, GROUP=group, NUM_KV_HEADS=num_kv_heads, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_SIZE=block_size, STRIDE_KS=sks, STRIDE_VS=svs, STAGES=stages, SEARCH_STEPS=search_steps,
-        CAUSAL=bool(causal), PAGED=paged, WRITE_LSE=lse is not None, num_warps=warps,
-    )
+    if plan.bound is None:
+        plan.bound = bind(_one_warpgroup_kernel, dict(
+            HEAD=head_size, GROUP=plan.group, NUM_KV_HEADS=num_kv_heads, BLOCK_M=plan.block_m, BLOCK_N=block_n,
+            BLOCK_SIZE=plan.block_size, STRIDE_KS=plan.stride_ks, STRIDE_VS=plan.stride_vs, STAGES=stages,
+            SEARCH_STEPS=plan.search_steps, CAUSAL=plan.causal, PAGED=plan.paged, WRITE_LSE=plan.write_lse,
+            num_warps=warps), {})
+    plan.bound(grid, *args)
+
+
+def hopper_prefill(query, k_cache, v_cache, out, *, query_start_loc, seq_lens, block_tables, scale, causal,
+                   lse, kv_start_loc, max_seq_len: int, search_steps: int, num_decodes: int = 0,
+                   max_decode_query_len: int = 0, tile: tuple[int, int, int] | None = None,
+                   store: StoreTarget | None = None) -> None:
+    """Plan and launch this kernel in one call (tests and tuning runs; `paged_attention` plans
+    once a step). Arguments as `paged_attention` takes them, checked; `supported` holds."""
+    from .attention_plan import LaunchFacts
+
+    paged = kv_start_loc is None
+    num_heads, head_size = query.shape[1:]
+    f = LaunchFacts(DeviceProfile.of(query.device), query.shape[0], query_start_loc.shape[0] - 1, 0, max_seq_len,
+                    num_decodes, max(1, max_decode_query_len), num_heads, k_cache.shape[-2], head_size, query.dtype,
+                    k_cache.dtype, k_cache.shape[1] if paged else 1, paged, bool(causal), False, False, False,
+                    lse is not None, 1, store[0].shape[1] if store is not None else 0, False, True,
+                    store is not None and stores_rows(query, k_cache, v_cache, store),
+                    (*k_cache.stride(), *v_cache.stride()))
+    plan = plan_hopper(f, search_steps=search_steps, tile=tile)
+    run_hopper(plan, query, k_cache, v_cache, out, query_start_loc=query_start_loc, seq_lens=seq_lens,
+               block_tables=block_tables, scale=scale, lse=lse, kv_start_loc=kv_start_loc, store=store)

@@ -38,15 +38,21 @@ Algorithm (FlashAttention-2 with GQA packing and FlashDecoding splits):
   (normalised output, LSE) to the caller's `SplitKVWorkspace`; `reduce_splits` merges them.
   The count is a runtime argument: one compiled variant serves every count (1 to 128).
 - On an H100/H200 a prefill-like launch over pages (mixed ones included), or one over
-  contiguous keys at head size 128, that fits `hopper_prefill.supported` (16-bit, head size
+  contiguous keys at head size 128, that fits `hopper_prefill.takes` (16-bit, head size
   64/128, no window, ALiBi, soft cap or FP8) runs the Gluon kernel of `hopper_prefill.py`
   instead: asynchronous warpgroup MMAs, warp-specialised at head size 128, about 1.5x this loop
-  over pages (docs/PERF.md, "Gluon prefill", "ninth session" and "tenth session"). A forced
+  over pages (docs/PERF.md, "Paged causal prefill"; 283c65b and 3b17081, 2026-11-26). A forced
   `tile` keeps this kernel.
 - `store`: a launch over a step's own contiguous rows (fresh prompts) may also write them into
   the paged cache; the warp-specialised kernel's producer does it while the products run, which
-  saves the store launch and its read of the rows (eleventh session), else `store_kv` runs first.
+  saves the store launch and its read of the rows (6defd2d, 2026-11-26), else `store_kv` runs first.
 The per-program body lives in attention_program.py.
+
+Host side: `paged_attention` checks its arguments, then plans (`attention_plan.plan_attention`:
+tiles clamped to the device's shared memory, splits, grid, who writes the new K/V; memoised per
+distinct launch) and runs the plan (`run_plan`: launches only, through `launch.BoundKernel`,
+which skips Triton's per-call argument binding). Backends call `launch_facts`, `plan_attention`
+and `run_plan` themselves, having checked the step once.
 """
 
 from __future__ import annotations
@@ -55,14 +61,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (FLOAT_DTYPES, FP8_DTYPES, INTERPRET, check, check_tensor, next_pow2,
-                      num_sms, scale_tensor)
+from pagedattn.device_profile import DeviceProfile
+
+from ._common import FLOAT_DTYPES, FP8_DTYPES, INTERPRET, check, check_tensor, next_pow2, scale_tensor
+from .attention_plan import AttentionPlan, LaunchFacts, Store, plan_attention
 from .attention_program import _attend_program
-from .paged_attention_config import (choose_mixed_decode_tile, choose_num_splits, choose_tile, forced_tile,
-                                     mixed_lead, split_min_tiles)
 from . import hopper_prefill
-from .pdl import launch_options, use_pdl
-from .split_kv import SplitKVWorkspace, reduce_splits
+from .launch import BoundKernel, bind
+from .pdl import use_pdl_on
+from .split_kv import SplitKVWorkspace, launch_reduce_splits
 from .store_kv import NewKV, StoreTarget, check_store, fp8_constants, launch_store_kv
 
 
@@ -181,13 +188,6 @@ def _paged_attention_kernel(
             INTERPRETED)
 
 
-def search_steps(num_seqs: int) -> int:
-    """Steps of the kernel's binary search for its sequence: enough for `num_seqs`, rounded up
-    to a multiple of 4 (at least 8), so one compiled variant serves every batch of up to 255
-    sequences (surplus steps leave the search where it is)."""
-    return max(8, -(-num_seqs.bit_length() // 4) * 4)
-
-
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -216,6 +216,7 @@ def paged_attention(
     decode_tile: tuple[int, ...] | None = None,
     store: StoreTarget | None = None,
     new_kv: NewKV | None = None,
+    profile: DeviceProfile | None = None,
 ) -> torch.Tensor:
     """Attention of `query` over the paged cache, written into `out` (returned).
 
@@ -263,6 +264,11 @@ def paged_attention(
         each program writes the new rows of its own key range first, saving the store launch;
         otherwise `store_kv` runs first. Rows outside every sequence's queries must have slot -1
         (padding): the programs write only their sequences' rows. Causal launches only.
+    profile: the device's `DeviceProfile` (default: `DeviceProfile.of(query.device)`); tiles and
+        kernels follow it (compile tests pass other GPUs' profiles).
+
+    The launch is planned once per distinct shape (`attention_plan.plan_attention`, memoised);
+    backends that plan once a step call `run_plan` with their plan.
     """
     check_tensor(query, "query", ndim=3, dtypes=FLOAT_DTYPES)
     device = query.device
@@ -335,115 +341,119 @@ def paged_attention(
               new_kv.key.shape[0])
     check(0 <= num_decodes <= num_seqs, "num_decodes", f"0..{num_seqs} (the sequences)", num_decodes)
     check(max_decode_query_len >= 1, "max_decode_query_len", ">= 1", max_decode_query_len)
-    group = num_heads // num_kv_heads
-    gluon = (num_tokens > 0 and num_seqs > 0 and tile is None and decode_tile is None and hopper_prefill.supported(
-        query, k_cache, v_cache, paged=paged, group=group, max_query_len=max_query_len, max_seq_len=max_seq_len,
-        sliding_window=sliding_window, alibi_slopes=alibi_slopes, soft_cap=soft_cap, num_splits=num_splits))
-    if store is not None and not (gluon and hopper_prefill.stores_rows(query, k_cache, v_cache, store)):
-        launch_store_kv(k_cache, v_cache, *store, k_scale, v_scale)  # checked above
-        store = None
-    if new_kv is not None and (gluon or num_tokens == 0 or num_seqs == 0):
-        launch_store_kv(new_kv.key, new_kv.value, k_cache, v_cache, new_kv.slot_mapping, k_scale, v_scale)
-        new_kv = None
-    if num_tokens == 0 or num_seqs == 0:
-        return out
-
-    if gluon:
-        # Prefill-like steps over pages on an H100/H200, mixed ones included, and those over
-        # contiguous keys at head size 128: the Gluon kernels (asynchronous warpgroup MMAs,
-        # warp-specialised at head size 128), about 1.5x this one over pages at head size 128
-        # (docs/PERF.md, "tenth session").
-        hopper_prefill.hopper_prefill(
-            query, k_cache, v_cache, out, query_start_loc=query_start_loc, seq_lens=seq_lens,
-            block_tables=block_tables, scale=scale, causal=causal, lse=lse, kv_start_loc=kv_start_loc,
-            max_seq_len=max_seq_len, search_steps=search_steps(num_seqs), num_decodes=num_decodes,
-            max_decode_query_len=max_decode_query_len, store=store)
-        return out
-    sms = num_sms(device)
-    chosen = choose_tile(head_size=head_size, group=group, max_query_len=max_query_len,
-                         elem_bytes=query.element_size(), interpret=INTERPRET, max_seq_len=max_seq_len,
-                         num_seqs=num_seqs, num_kv_heads=num_kv_heads, num_sms=sms, paged=paged)
-    tile = chosen if tile is None else forced_tile(chosen, *tile, group=group, interpret=INTERPRET)
-    limit = 1 if workspace is None else workspace.splits_for(num_tokens, num_heads, head_size)
-    min_tiles = 0  # a forced count splits every sequence
-    if num_splits is None:
-        num_splits = 1 if limit < 2 else choose_num_splits(
-            num_seqs=num_seqs, num_kv_heads=num_kv_heads, max_query_len=max_query_len,
-            max_seq_len=max_seq_len, block_q=tile.block_q, block_n=tile.block_n,
-            num_sms=sms, max_splits=limit, kv_elem_bytes=k_cache.element_size())
-        min_tiles = split_min_tiles(num_seqs=num_seqs, num_kv_heads=num_kv_heads, max_query_len=max_query_len,
-                                    block_q=tile.block_q, num_sms=sms)
-    elif num_splits > 1:
-        check(num_splits <= limit, "workspace for num_splits",
+    profile = profile if profile is not None else DeviceProfile.of(device)
+    split_limit = 1 if workspace is None else workspace.splits_for(num_tokens, num_heads, head_size)
+    if num_splits is not None and num_splits > 1:
+        check(num_splits <= split_limit, "workspace for num_splits",
               f"a SplitKVWorkspace with room for {num_splits} splits of {num_tokens} tokens, "
               f"{num_heads} heads of size {head_size}",
               None if workspace is None else
-              f"{limit} splits ({workspace.rows} rows of {tuple(workspace.partial_out.shape[1:])}, "
+              f"{split_limit} splits ({workspace.rows} rows of {tuple(workspace.partial_out.shape[1:])}, "
               f"max_splits {workspace.max_splits})")
-    fp8 = k_cache.dtype in FP8_DTYPES
-    k_scale_t = scale_tensor(k_scale, "k_scale", device) if fp8 else seq_lens
-    v_scale_t = scale_tensor(v_scale, "v_scale", device) if fp8 else seq_lens
-    if num_splits > 1:
-        part_out, part_stats = workspace.views(num_splits, num_tokens)
-    else:
-        part_out, part_stats = out.unsqueeze(0), seq_lens.view(1, -1, 1, 1)  # never written
-    lse_arg = lse if lse is not None else seq_lens.view(-1, 1)  # never written without lse
+    facts = launch_facts(profile, query, k_cache, v_cache, num_seqs=num_seqs, max_query_len=max_query_len,
+                         max_seq_len=max_seq_len, num_decodes=num_decodes, max_decode_query_len=max_decode_query_len,
+                         paged=paged, causal=causal, window=sliding_window is not None,
+                         alibi=alibi_slopes is not None, soft_cap=soft_cap is not None, lse=lse is not None,
+                         split_limit=split_limit, store=store, new_kv=new_kv is not None, tile=tile,
+                         decode_tile=decode_tile, num_splits=num_splits)
+    run_plan(plan_attention(facts), query, k_cache, v_cache, out, query_start_loc=query_start_loc,
+             seq_lens=seq_lens, block_tables=block_tables, kv_start_loc=kv_start_loc, scale=scale,
+             sliding_window=sliding_window, alibi_slopes=alibi_slopes, soft_cap=soft_cap, k_scale=k_scale,
+             v_scale=v_scale, lse=lse, workspace=workspace, store=store, new_kv=new_kv)
+    return out
 
-    dec = None
-    if 0 < num_decodes < num_seqs:
-        dec = choose_mixed_decode_tile(tile, head_size=head_size, group=group,
-                                       max_decode_query_len=max_decode_query_len,
-                                       elem_bytes=query.element_size(), interpret=INTERPRET)
-    if decode_tile is not None:
-        check(len(decode_tile) in (2, 3), "decode_tile", "(BLOCK_N, num_stages[, BLOCK_M])", decode_tile)
-        check(dec is not None, "decode_tile", "a launch whose decodes get their own tile (num_decodes "
-              "sequences after prefill-tiled ones, within a decode tile's rows)",
-              f"num_decodes={num_decodes} of {num_seqs} sequences, max_query_len={max_query_len}, "
-              f"max_decode_query_len={max_decode_query_len}, the launch's tile {tile}")
-        dec = forced_tile(dec, decode_tile[0], tile.num_warps, *decode_tile[1:], group=group,
-                          interpret=INTERPRET)
-        check(dec.block_q >= max_decode_query_len, "decode_tile rows",
-              f">= {max_decode_query_len * group} (max_decode_query_len x {group} heads)", dec.block_m)
-    mixed = dec is not None
-    # Launches whose every sequence's queries fit one tile (as `max_query_len` bounds them) map
-    # tile b to sequence b; otherwise tiles are numbered as the kernel's search expects, over the
-    # sequences before the decodes in a mixed launch (which always searches: one compiled variant
-    # whatever its prefills' lengths).
-    one_tile = max_query_len <= tile.block_q and not mixed
-    # programs that share a sequence's keys (several query tiles) need the rows stored first
-    if new_kv is not None and not one_tile:
-        launch_store_kv(new_kv.key, new_kv.value, k_cache, v_cache, new_kv.slot_mapping, k_scale, v_scale)
-        new_kv = None
-    new_k, new_v, new_slots = new_kv if new_kv is not None else (query, query, seq_lens)  # never read without
-    num_heavy = num_seqs - num_decodes if mixed else num_seqs
-    num_tiles = num_seqs if one_tile else num_tokens // tile.block_q + num_heavy  # >= what every sequence needs
-    num_mixed = num_decodes if mixed else 0
-    grid = ((num_tiles + num_mixed) * num_kv_heads, num_splits)
-    dec = dec or tile  # not mixed: the decode body is not compiled, its constexprs follow the tile
-    pdl = use_pdl(device)
-    _paged_attention_kernel[grid](
-        query, k_cache, v_cache, out, lse_arg, part_out, part_stats,
-        query_start_loc, seq_lens, bt_arg, kv_start_arg,
-        alibi_slopes if alibi_slopes is not None else seq_lens, k_scale_t, v_scale_t,
-        float(scale), float(soft_cap or 0.0), int(sliding_window or 0), num_heavy, num_tiles,
-        num_mixed, mixed_lead(num_tiles) if mixed else 0, num_splits, min_tiles,
-        *query.stride(), *kv_strides, *out.stride(), lse_arg.stride(0), lse_arg.stride(1),
-        *part_out.stride(), *part_stats.stride(), bt_stride,
-        new_k, new_v, new_slots, *new_k.stride()[:3], *new_v.stride()[:3],
-        HEAD_SIZE=head_size, HEAD_PAD=max(16, next_pow2(head_size)), GROUP=group,
-        NUM_KV_HEADS=num_kv_heads,
-        BLOCK_Q=tile.block_q, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, MIXED=mixed,
+
+def launch_facts(profile: DeviceProfile, query, k_cache, v_cache, *, num_seqs: int, max_query_len: int,
+                 max_seq_len: int, num_decodes: int, max_decode_query_len: int, paged: bool, causal: bool,
+                 window: bool, alibi: bool, soft_cap: bool, lse: bool, split_limit: int, store: StoreTarget | None,
+                 new_kv: bool, tile=None, decode_tile=None, num_splits=None) -> LaunchFacts:
+    """The `LaunchFacts` of a launch over these tensors (query [T, Hq, D]; the caches, or the
+    contiguous key/value rows with `paged` False), with the options as host values."""
+    num_tokens, num_heads, head_size = query.shape
+    # decode-like launches never take the Gluon kernels: their layout is not looked at
+    gluon_layout = (profile.wgmma and next_pow2(max_query_len * num_heads // k_cache.shape[-2]) > 64
+                    and hopper_prefill.layout_ok(query, k_cache, v_cache, paged=paged))
+    return LaunchFacts(
+        profile, num_tokens, num_seqs, max_query_len, max_seq_len, num_decodes, max_decode_query_len, num_heads,
+        k_cache.shape[-2], head_size, query.dtype, k_cache.dtype, k_cache.shape[1] if paged else 1, paged,
+        bool(causal), window, alibi, soft_cap, lse, split_limit, store[0].shape[1] if store is not None else 0,
+        new_kv, gluon_layout,
+        store is not None and gluon_layout and hopper_prefill.stores_rows(query, k_cache, v_cache, store),
+        (*k_cache.stride(), *v_cache.stride()), tile, decode_tile, num_splits)
+
+
+def run_plan(plan: AttentionPlan, query, k_cache, v_cache, out, *, query_start_loc, seq_lens, block_tables,
+             kv_start_loc, scale, sliding_window, alibi_slopes, soft_cap, k_scale, v_scale, lse, workspace,
+             store, new_kv) -> None:
+    """Launch `plan` over these tensors: arguments as `paged_attention` takes them, checked, of
+    the plan's facts (the backends call this with a plan of the step). Launches only."""
+    f = plan.facts
+    if plan.store is Store.FIRST:
+        if store is not None:
+            launch_store_kv(k_cache, v_cache, *store, k_scale, v_scale)  # rows to pages, checked
+        elif new_kv is not None:
+            launch_store_kv(new_kv.key, new_kv.value, k_cache, v_cache, new_kv.slot_mapping, k_scale, v_scale)
+    if plan.empty:
+        return
+    if plan.gluon is not None:
+        hopper_prefill.run_hopper(
+            plan.gluon, query, k_cache, v_cache, out, query_start_loc=query_start_loc, seq_lens=seq_lens,
+            block_tables=block_tables, scale=scale, lse=lse, kv_start_loc=kv_start_loc,
+            store=store if plan.store is Store.KERNEL else None)
+        return
+    fp8 = f.kv_dtype in FP8_DTYPES
+    k_scale_t = scale_tensor(k_scale, "k_scale", query.device) if fp8 else seq_lens
+    v_scale_t = scale_tensor(v_scale, "v_scale", query.device) if fp8 else seq_lens
+    num_splits = plan.num_splits
+    if num_splits > 1:
+        part_out, part_stats = workspace.views(num_splits, f.num_tokens)
+        part_strides = (*part_out.stride(), *part_stats.stride())
+    else:  # never written: any pointers
+        part_out, part_stats, part_strides = out, seq_lens, _NO_STRIDES[:8]
+    lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else _NO_STRIDES[:2]
+    lse_arg = lse if lse is not None else seq_lens  # never written without lse
+    if f.paged:
+        bt_arg, bt_stride, kv_start_arg = block_tables, block_tables.stride(0), query_start_loc
+        kv_strides = f.kv_strides
+    else:
+        bt_arg, bt_stride, kv_start_arg = seq_lens, 0, kv_start_loc
+        kv_strides = (0, *f.kv_strides[:3], 0, *f.kv_strides[3:])
+    fused = plan.store is Store.KERNEL
+    new_k, new_v, new_slots = new_kv if fused else (query, query, seq_lens)  # never read without
+    kernel = plan.bound.get(_paged_attention_kernel)  # keyed by the function: tests swap it for a recorder
+    if kernel is None:
+        kernel = plan.bound[_paged_attention_kernel] = _bind_attend(plan)
+    kernel(plan.grid,
+           query, k_cache, v_cache, out, lse_arg, part_out, part_stats,
+           query_start_loc, seq_lens, bt_arg, kv_start_arg,
+           alibi_slopes if alibi_slopes is not None else seq_lens, k_scale_t, v_scale_t,
+           float(scale), float(soft_cap or 0.0), int(sliding_window or 0), plan.num_heavy, plan.num_tiles,
+           plan.num_mixed, plan.mix_lead, num_splits, plan.min_tiles,
+           *query.stride(), *kv_strides, *out.stride(), *lse_strides, *part_strides, bt_stride,
+           new_k, new_v, new_slots, *new_k.stride()[:3], *new_v.stride()[:3])
+    if num_splits > 1:
+        launch_reduce_splits(workspace, num_splits, out, lse, (part_out, part_stats))
+
+
+_NO_STRIDES = (0,) * 8  # the strides of a tensor argument the launch never reads
+
+
+def _bind_attend(plan: AttentionPlan) -> BoundKernel:
+    """The attention kernel with the plan's constexprs and launch options."""
+    f, tile = plan.facts, plan.tile
+    dec = plan.decode_tile or tile  # not mixed: the decode body is not compiled, its constexprs follow the tile
+    pdl = use_pdl_on(f.profile)
+    constexprs = dict(
+        HEAD_SIZE=f.head_size, HEAD_PAD=max(16, next_pow2(f.head_size)), GROUP=f.num_heads // f.num_kv_heads,
+        NUM_KV_HEADS=f.num_kv_heads,
+        BLOCK_Q=tile.block_q, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, MIXED=plan.decode_tile is not None,
         DEC_BLOCK_Q=dec.block_q, DEC_BLOCK_M=dec.block_m, DEC_BLOCK_N=dec.block_n,
         DEC_STAGES=dec.num_stages,
-        BLOCK_SIZE=block_size, SPLIT=num_splits > 1, ONE_TILE=one_tile, SEARCH_STEPS=search_steps(num_seqs),
-        CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None,
-        USE_ALIBI=alibi_slopes is not None, USE_SOFTCAP=soft_cap is not None, FP8_KV=fp8,
-        PAGED=paged, WRITE_LSE=lse is not None, UPCAST=INTERPRET,
-        IEEE=query.dtype == torch.float32, PDL=pdl, STORE_NEW=new_kv is not None,
-        NEW_ROWS=next_pow2(tile.block_q),
-        **fp8_constants(k_cache.dtype),
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(device),
-    )
-    if num_splits > 1:
-        reduce_splits(workspace, num_splits, out, lse)
-    return out
+        BLOCK_SIZE=f.block_size, SPLIT=plan.num_splits > 1, ONE_TILE=plan.one_tile,
+        SEARCH_STEPS=plan.search_steps,
+        CAUSAL=f.causal, USE_WINDOW=f.window, USE_ALIBI=f.alibi, USE_SOFTCAP=f.soft_cap,
+        FP8_KV=f.kv_dtype in FP8_DTYPES, PAGED=f.paged, WRITE_LSE=f.lse, UPCAST=INTERPRET,
+        IEEE=f.q_dtype == torch.float32, PDL=pdl, STORE_NEW=plan.store is Store.KERNEL,
+        NEW_ROWS=next_pow2(tile.block_q), **fp8_constants(f.kv_dtype))
+    options = dict(num_warps=tile.num_warps, num_stages=tile.num_stages, **({"launch_pdl": True} if pdl else {}))
+    return bind(_paged_attention_kernel, constexprs, options)

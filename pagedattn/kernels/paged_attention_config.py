@@ -16,6 +16,7 @@ of their own in the same launch (`choose_mixed_decode_tile`), with the prefill t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from pagedattn.intmath import cdiv
@@ -34,7 +35,10 @@ DOUBLE_BAND = (3, 6)
 
 
 @dataclass(frozen=True)
-class AttentionTile:
+class Tile:
+    """One program's shape: the portable kernel's tiles, and a Gluon kernel's (whose rows follow
+    its warpgroups)."""
+
     block_q: int       # query tokens per program
     block_m: int       # rows of the packed [block_m, D] query tile (block_q * group, padded)
     block_n: int       # keys per inner-loop step
@@ -91,7 +95,7 @@ def _prefill_tile(key: int, max_seq_len: int, paged: bool) -> tuple[int, int, in
 
 def choose_tile(*, head_size: int, group: int, max_query_len: int, elem_bytes: int, interpret: bool,
                 max_seq_len: int = 0, num_seqs: int = 1, num_kv_heads: int = 1, num_sms: int = 1,
-                paged: bool = True) -> AttentionTile:
+                paged: bool = True) -> Tile:
     """The tile for one launch; `elem_bytes` is the query element size (4 shrinks tiles).
     Decode-like launches pick their key tile by `max_seq_len` (0: unknown, the fixed table) and
     their size (`num_seqs` x `num_kv_heads` programs on `num_sms`); prefill-like ones by
@@ -113,7 +117,7 @@ def choose_tile(*, head_size: int, group: int, max_query_len: int, elem_bytes: i
     if interpret:
         num_warps, num_stages = 1, 1
     block_q = max(1, block_m // group)
-    return AttentionTile(block_q, block_m, block_n, num_warps, num_stages)
+    return Tile(block_q, block_m, block_n, num_warps, num_stages)
 
 
 # Mixed launches (a prefill chunk beside many decodes, e.g. a 2k chunk over 2k keys and 64
@@ -138,8 +142,8 @@ MIXED_DECODE_TILES = {
 MIXED_PREFILL_LEAD = 0.0
 
 
-def choose_mixed_decode_tile(tile: AttentionTile, *, head_size: int, group: int, max_decode_query_len: int,
-                             elem_bytes: int, interpret: bool) -> AttentionTile | None:
+def choose_mixed_decode_tile(tile: Tile, *, head_size: int, group: int, max_decode_query_len: int,
+                             elem_bytes: int, interpret: bool) -> Tile | None:
     """The tile of a mixed launch's decode programs (each up to `max_decode_query_len` query
     tokens), beside prefill programs of `tile`; None unless `tile` is prefill-shaped (more than
     DECODE_ROWS rows: a decode-like launch keeps one tile, and one compiled variant) and the
@@ -154,7 +158,7 @@ def choose_mixed_decode_tile(tile: AttentionTile, *, head_size: int, group: int,
         block_n, num_stages = 32, 1 if head_pad >= 256 else 2
     if interpret:
         num_stages = 1
-    return AttentionTile(max(1, block_m // group), block_m, block_n, tile.num_warps, num_stages)
+    return Tile(max(1, block_m // group), block_m, block_n, tile.num_warps, num_stages)
 
 
 def mixed_lead(num_tiles: int) -> int:
@@ -162,8 +166,8 @@ def mixed_lead(num_tiles: int) -> int:
     return min(num_tiles, round(MIXED_PREFILL_LEAD * num_tiles))
 
 
-def forced_tile(tile: AttentionTile, block_n: int, num_warps: int, num_stages: int,
-                block_m: int | None = None, *, group: int, interpret: bool) -> AttentionTile:
+def forced_tile(tile: Tile, block_n: int, num_warps: int, num_stages: int,
+                block_m: int | None = None, *, group: int, interpret: bool) -> Tile:
     """`tile` with a caller's (BLOCK_N, num_warps, num_stages[, BLOCK_M rows]) for tuning runs;
     refused with the reason when Triton could not launch it (under the interpreter warps and
     stages stay 1). Without `block_m` the rows stay the policy's."""
@@ -178,7 +182,46 @@ def forced_tile(tile: AttentionTile, block_n: int, num_warps: int, num_stages: i
             raise ValueError(f"expected tile {name} {expect}, got {value}")
     if interpret:
         num_warps, num_stages = 1, 1
-    return AttentionTile(max(1, block_m // group), block_m, block_n, num_warps, num_stages)
+    return Tile(max(1, block_m // group), block_m, block_n, num_warps, num_stages)
+
+
+# Shared memory of a portable-kernel program, an upper bound (sm_80-sm_90, Triton 3.6-3.9): the
+# query tile, the key and value tiles (double-buffered where the pipeliner stages them), P for the
+# second product, and the compiler's scratch. Checked against the compiled kernels' `shared` for
+# sm_80/86/89/90 (tests/kernels/test_compile_targets.py); e.g. sm_86, head size 256, 128x64 tiles
+# over bf16: 147,456 B compiled, 212,992 B by this bound.
+SMEM_SLACK = 4096
+
+
+def smem_bytes(tile: Tile, *, head_size: int, q_bytes: int, kv_bytes: int) -> int:
+    """An upper bound of the shared memory one program of `tile` holds."""
+    head = max(16, next_pow2(head_size))
+    buffers = min(tile.num_stages, 2)
+    return (tile.block_m * head * q_bytes + buffers * 2 * tile.block_n * head * kv_bytes
+            + tile.block_m * tile.block_n * q_bytes + SMEM_SLACK)
+
+
+def fit_tile(tile: Tile, profile, *, head_size: int, group: int, q_bytes: int, kv_bytes: int) -> Tile:
+    """`tile`, shrunk until `smem_bytes` fits what a program may hold on a device of `profile`
+    (a `DeviceProfile`): fewer keys a step (down to 32), one stage, fewer rows (down to one
+    token's heads, 16 at least), then 16 keys. A100: head size 256 prefills take 32-key tiles;
+    A10/L4/L40S/RTX 3090/4090 (99 KiB): also one stage and 64 rows; H100/H200: unchanged."""
+    min_rows = max(16, next_pow2(group))
+    while smem_bytes(tile, head_size=head_size, q_bytes=q_bytes, kv_bytes=kv_bytes) > profile.smem_per_block:
+        if tile.block_n > 32:
+            tile = dataclasses.replace(tile, block_n=tile.block_n // 2)
+        elif tile.num_stages > 1:
+            tile = dataclasses.replace(tile, num_stages=1)
+        elif tile.block_m > min_rows:
+            block_m = tile.block_m // 2
+            tile = dataclasses.replace(tile, block_m=block_m, block_q=max(1, block_m // group))
+        elif tile.block_n > 16:
+            tile = dataclasses.replace(tile, block_n=16)
+        else:
+            raise ValueError(f"no tile of head size {head_size} fits {profile.smem_per_block} B of shared memory "
+                             f"on {profile.name} (the smallest needs "
+                             f"{smem_bytes(tile, head_size=head_size, q_bytes=q_bytes, kv_bytes=kv_bytes)} B)")
+    return tile
 
 
 def _pow2_in(x: int, lo: int, hi: int) -> bool:

@@ -23,20 +23,21 @@ import os
 import torch
 import triton.language as tl
 
+from pagedattn.device_profile import DeviceProfile
+
 from ._common import INTERPRET
 
 ENABLED: bool = os.environ.get("PAGEDATTN_PDL", "1") != "0"
 
 
-@functools.lru_cache(maxsize=None)
 def use_pdl(device: torch.device) -> bool:
-    """Whether launches on `device` use PDL: a CUDA device of compute capability 9 or later,
-    not interpreted, a Triton with grid dependency control, and not turned off."""
+    """Whether launches on `device` use PDL (`use_pdl_on` its profile)."""
+    return use_pdl_on(DeviceProfile.of(device))
+
+
+@functools.lru_cache(maxsize=None)
+def use_pdl_on(profile: DeviceProfile) -> bool:
+    """Whether launches on a device of `profile` use PDL: compute capability 9 or later, not
+    interpreted, a Triton with grid dependency control, and not turned off."""
     cuda = getattr(getattr(tl, "extra", None), "cuda", None)
-    return (ENABLED and not INTERPRET and device.type == "cuda" and hasattr(cuda, "gdc_wait")
-            and torch.cuda.get_device_capability(device)[0] >= 9)
-
-
-def launch_options(device: torch.device) -> dict:
-    """Keyword arguments of a launch: `launch_pdl=True` where PDL is used, nothing otherwise."""
-    return {"launch_pdl": True} if use_pdl(device) else {}
+    return ENABLED and not INTERPRET and hasattr(cuda, "gdc_wait") and profile.capability >= (9, 0)

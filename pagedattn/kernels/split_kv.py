@@ -20,6 +20,7 @@ want anyway since they already have many programs.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +29,11 @@ import triton.language as tl
 
 from pagedattn.intmath import cdiv
 
-from ._common import check, check_tensor, next_pow2, num_sms
-from .pdl import launch_options, use_pdl
+from pagedattn.device_profile import DeviceProfile
+
+from ._common import check, check_tensor, next_pow2
+from .launch import BoundKernel, bind
+from .pdl import use_pdl
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,7 @@ def shared_workspace(device: torch.device, num_heads: int, num_kv_heads: int,
     a time on a stream), allocated once and never replaced, so captured graphs keep its address."""
     key = (torch.device(device), num_heads, num_kv_heads, head_size)
     if key not in _shared:
-        rows = max(ROWS_PER_SM * num_sms(key[0]), _MIN_ROWS)
+        rows = max(ROWS_PER_SM * DeviceProfile.of(key[0]).num_sms, _MIN_ROWS)
         _shared[key] = SplitKVWorkspace.allocate(cdiv(rows, MAX_SPLITS), num_heads, head_size,
                                                  MAX_SPLITS, key[0])
     return _shared[key]
@@ -162,15 +166,26 @@ def reduce_splits(workspace: SplitKVWorkspace, num_splits: int, out: torch.Tenso
     if lse is not None:
         check_tensor(lse, "lse", ndim=2, dtypes=(torch.float32,), device=out.device)
         check(lse.shape == out.shape[:2], "lse.shape", tuple(out.shape[:2]), tuple(lse.shape))
+    launch_reduce_splits(workspace, num_splits, out, lse)
+
+
+@functools.lru_cache(maxsize=None)
+def _reduce_kernel(head_size: int, splits_block: int, write_lse: bool, pdl: bool) -> BoundKernel:
+    return bind(_reduce_splits_kernel, dict(HEAD_SIZE=head_size, HEAD_PAD=next_pow2(head_size),
+                                            SPLITS_BLOCK=splits_block, WRITE_LSE=write_lse, PDL=pdl),
+                dict(num_warps=4, **({"launch_pdl": True} if pdl else {})))
+
+
+def launch_reduce_splits(workspace: SplitKVWorkspace, num_splits: int, out: torch.Tensor,
+                         lse: torch.Tensor | None = None, views: tuple | None = None) -> None:
+    """`reduce_splits` for arguments already checked (`paged_attention`'s plan); `views`: the
+    workspace's `views(num_splits, T)` when the caller has them."""
+    num_tokens, num_heads, head_size = out.shape
     if num_tokens == 0:
         return
-    part_out, part_stats = workspace.views(num_splits, num_tokens)
+    part_out, part_stats = views if views is not None else workspace.views(num_splits, num_tokens)
     lse_arg = lse if lse is not None else part_stats[0, :, :, 0]  # never written without lse
-    _reduce_splits_kernel[(num_tokens, num_heads)](
-        part_out, part_stats, out, lse_arg, num_splits,
-        *part_out.stride(), *part_stats.stride(),
-        *out.stride(), lse_arg.stride(0), lse_arg.stride(1),
-        HEAD_SIZE=head_size, HEAD_PAD=next_pow2(head_size),
-        SPLITS_BLOCK=min(SPLITS_BLOCK, next_pow2(num_splits)),
-        WRITE_LSE=lse is not None, PDL=use_pdl(out.device), num_warps=4, **launch_options(out.device),
-    )
+    kernel = _reduce_kernel(head_size, min(SPLITS_BLOCK, next_pow2(num_splits)), lse is not None,
+                            use_pdl(out.device))
+    kernel((num_tokens, num_heads), part_out, part_stats, out, lse_arg, num_splits,
+           *part_out.stride(), *part_stats.stride(), *out.stride(), lse_arg.stride(0), lse_arg.stride(1))

@@ -14,6 +14,7 @@ new rows (`paged_attention`'s `new_kv`, `NewKV`).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -22,6 +23,7 @@ import triton.language as tl
 
 from ._common import (FLOAT_DTYPES, FP8_DTYPES, INTERPRET, check, check_tensor, next_pow2,
                       scale_tensor)
+from .launch import BoundKernel, bind
 from .pdl import use_pdl
 
 
@@ -190,11 +192,15 @@ def launch_store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
     head_pad = next_pow2(head_size)
     block_h = min(next_pow2(num_kv_heads), max(1, 4096 // head_pad))
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
-    _store_kv_kernel[grid](
-        key, value, k_cache, v_cache, slot_mapping, k_scale_t, v_scale_t,
-        *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
-        NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, BLOCK_H=block_h, HEAD_PAD=head_pad,
-        BLOCK_SIZE=k_cache.shape[1], FP8=k_cache.dtype in FP8_DTYPES, **fp8_constants(k_cache.dtype),
-        PDL=use_pdl(key.device),
-        num_warps=1 if INTERPRET else 4,
-    )
+    kernel = _store_kernel(num_kv_heads, head_size, block_h, k_cache.shape[1], k_cache.dtype, use_pdl(key.device))
+    kernel(grid, key, value, k_cache, v_cache, slot_mapping, k_scale_t, v_scale_t,
+           *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride())
+
+
+@functools.lru_cache(maxsize=None)
+def _store_kernel(num_kv_heads: int, head_size: int, block_h: int, block_size: int, cache_dtype: torch.dtype,
+                  pdl: bool) -> BoundKernel:
+    return bind(_store_kv_kernel, dict(
+        NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, BLOCK_H=block_h, HEAD_PAD=next_pow2(head_size),
+        BLOCK_SIZE=block_size, FP8=cache_dtype in FP8_DTYPES, **fp8_constants(cache_dtype), PDL=pdl),
+        dict(num_warps=1 if INTERPRET else 4))

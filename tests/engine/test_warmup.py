@@ -13,6 +13,8 @@ from pagedattn.backends.triton_backend import TritonBackend
 from pagedattn.engine.warmup import warmup_steps
 from pagedattn.kernels.paged_attention_config import LONG_KEYS, LONG_PREFILL_KEYS, choose_tile
 
+PLAN_LENGTHS = TritonBackend.plan_context_lens()
+
 TYPICAL = dict(block_size=16, num_blocks=65536, max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=32768)
 SMALL = dict(block_size=16, num_blocks=64, max_num_batched_tokens=512, max_num_seqs=8, max_model_len=2048)
 LIMITS = [
@@ -31,7 +33,7 @@ MODELS = {"gqa4-d128": (32, 8, 128), "gqa4-d64": (32, 8, 64), "mha-d128": (32, 3
 
 @pytest.mark.parametrize("limits", LIMITS)
 def test_steps_fit_the_engine(limits):
-    steps = warmup_steps(**limits)
+    steps = warmup_steps(**limits, plan_lengths=PLAN_LENGTHS)
     assert steps
     for seqs in steps:
         assert 1 <= len(seqs) <= limits["max_num_seqs"]
@@ -43,7 +45,7 @@ def test_steps_fit_the_engine(limits):
 
 
 def test_steps_cover_the_shape_classes():
-    steps = warmup_steps(**LIMITS[0])
+    steps = warmup_steps(**LIMITS[0], plan_lengths=PLAN_LENGTHS)
     longest = {max(s.query_len for s in seqs) for seqs in steps}
     assert {1, 8, 16, 17, 512, 1024} <= longest  # decode-like, each tile class, prefill-like
     assert any(len(seqs) == 1 and seqs[0].context_len >= 1000 for seqs in steps)  # a chunk that splits
@@ -54,7 +56,7 @@ def test_steps_cover_the_shape_classes():
 
 def test_steps_reach_the_long_contexts():
     """The finding this guards: steps of at most 1k keys left every long tile to compile mid-run."""
-    steps = warmup_steps(**TYPICAL)
+    steps = warmup_steps(**TYPICAL, plan_lengths=PLAN_LENGTHS)
     decodes = [seqs for seqs in steps if all(s.query_len == 1 and s.context_len > 0 for s in seqs)]
     assert {len(seqs) for seqs in decodes if seqs[0].seq_len >= LONG_KEYS} >= {1, TYPICAL["max_num_seqs"]}
     assert any(seqs[0].context_len >= LONG_PREFILL_KEYS and seqs[0].query_len >= 256 for seqs in steps)
@@ -118,7 +120,7 @@ def test_launch_is_the_backends():
     kinds = [[ScheduledSeq(seq_len, q, range(seq_len)) for seq_len, q in seqs] for seqs in kinds]  # tables long enough
     for limits in (TYPICAL, SMALL):
         builder = TritonBackend.get_builder_cls()(limits["block_size"], "cpu")
-        for seqs in warmup_steps(**limits) + kinds:
+        for seqs in warmup_steps(**limits, plan_lengths=PLAN_LENGTHS) + kinds:
             md = builder.build(seqs)
             rows = torch.empty(md.num_tokens, 0)  # [T, 0]: `_calls` only slices the step's rows
             (call,) = impl._calls(rows, rows, rows, rows, rows, md)
@@ -140,7 +142,7 @@ def policy_tiles(model: tuple[int, int, int]) -> frozenset:
 @pytest.mark.parametrize("limits", [TYPICAL, SMALL, LIMITS[-1]], ids=["typical", "small", "small-budget"])
 def test_warmup_picks_every_tile_real_steps_pick(limits, model):
     real = {tile(p, model) for p in plausible_launches(**limits)}
-    warmed = {tile(launch(seqs), model) for seqs in warmup_steps(**limits)}
+    warmed = {tile(launch(seqs), model) for seqs in warmup_steps(**limits, plan_lengths=PLAN_LENGTHS)}
     missing = names(real - warmed)
     assert not missing, f"expected the warm-up to pick every tile real steps pick, got {missing} unpicked"
     unreachable = names(policy_tiles(model) - real)

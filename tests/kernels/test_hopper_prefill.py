@@ -11,7 +11,7 @@ from oracle import rel_l2  # noqa: E402
 from paged_kernel import attend, kernel_args, kernel_batch  # noqa: E402
 
 from pagedattn.kernels import hopper_prefill as hp  # noqa: E402
-from pagedattn.kernels.paged_attention import search_steps  # noqa: E402
+from pagedattn.kernels.attention_plan import search_steps  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 REASON = hp.unavailable_reason(DEVICE)
@@ -100,8 +100,8 @@ def test_paged_attention_takes_it_for_paged_prefills(monkeypatch, shape):
     """paged_attention routes a prefill-like paged step here, a mixed one too (and the result
     is the oracle's)."""
     calls = []
-    real = hp.hopper_prefill
-    monkeypatch.setattr(hp, "hopper_prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = hp.run_hopper
+    monkeypatch.setattr(hp, "run_hopper", lambda *a, **k: calls.append(1) or real(*a, **k))
     batch = kernel_batch(LENS[shape], num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
                          dtype=torch.bfloat16, device=DEVICE)
     scale = 64 ** -0.5
@@ -142,9 +142,12 @@ def test_options_outside_its_scope_take_the_portable_kernel(option):
         kw["num_splits"] = 4
     elif option == "stride":
         q = torch.zeros(300, 8, 136, dtype=torch.bfloat16)[..., :128]
-    original = hp._runs_on
+    from pagedattn.device_profile import PRESETS, DeviceProfile
+
+    original, original_of = hp.unavailable_reason, DeviceProfile.of
     try:
-        hp._runs_on = lambda device: True
+        hp.unavailable_reason = lambda device: None
+        DeviceProfile.of = staticmethod(lambda device=None: PRESETS["h100"])
         baseline = dict(kw, paged=True, group=4, max_query_len=300)
         assert hp.supported(torch.zeros(300, 8, 128, dtype=torch.bfloat16), torch.zeros(40, 16, 2, 128,
                             dtype=torch.bfloat16), torch.zeros(40, 16, 2, 128, dtype=torch.bfloat16),
@@ -152,7 +155,7 @@ def test_options_outside_its_scope_take_the_portable_kernel(option):
                                "num_splits": None})
         assert not hp.supported(q, k, k, **kw)
     finally:
-        hp._runs_on = original
+        hp.unavailable_reason, DeviceProfile.of = original, staticmethod(original_of)
 
 
 @on_hopper

@@ -20,7 +20,7 @@ from paged_batch import CacheLayout, slot_of  # noqa: E402
 from paged_kernel import POOL_LAYOUT, attend, kernel_args, kernel_batch, oracle_options  # noqa: E402
 
 from pagedattn.kernels import SplitKVWorkspace, copy_blocks, paged_attention, store_kv  # noqa: E402
-from pagedattn.kernels._common import num_sms  # noqa: E402
+from pagedattn.device_profile import DeviceProfile  # noqa: E402
 from pagedattn.kernels.paged_attention_config import (choose_num_splits,  # noqa: E402
                                                       choose_tile)
 
@@ -87,7 +87,7 @@ def test_decode_split_kv_auto(num_seqs):
     tile = choose_tile(head_size=128, group=4, max_query_len=1, elem_bytes=2, interpret=False)
     splits = choose_num_splits(num_seqs=num_seqs, num_kv_heads=8, max_query_len=1,
                                max_seq_len=4000, block_q=tile.block_q, block_n=tile.block_n,
-                               num_sms=num_sms(torch.device(DEVICE)), max_splits=16)
+                               num_sms=DeviceProfile.of(DEVICE).num_sms, max_splits=16)
     if num_seqs == 1:
         assert splits > 1
     out = check(batch, workspace=ws)

@@ -33,6 +33,9 @@ MIXED = {
 }
 
 
+from pagedattn.kernels.attention_plan import plan_attention  # noqa: E402
+
+
 class _LaunchSpy:
     """Stands in for the kernel; records whether each launch was mixed."""
 
@@ -52,7 +55,8 @@ def spy(monkeypatch):
     on an H100/H200 (mixed ones too), is turned off: these tests are about the mixed launch."""
     s = _LaunchSpy(launcher._paged_attention_kernel)
     monkeypatch.setattr(launcher, "_paged_attention_kernel", s)
-    monkeypatch.setattr(launcher.hopper_prefill, "supported", lambda *a, **k: False)
+    monkeypatch.setattr(launcher.hopper_prefill, "takes", lambda *a, **k: False)
+    plan_attention.cache_clear()  # plans made with the Gluon kernel on
     return s
 
 

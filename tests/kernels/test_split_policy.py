@@ -114,4 +114,5 @@ def test_bench_raw_rows_of_a_mixed_step_agree():
     for kwargs in ({}, {"num_splits": 1}, {"tile": (32, 4, 2)}):
         s.out.fill_(float("nan"))
         prepare_raw(w, **kwargs).calls[0]()
-        torch.testing.assert_close(s.out.float(), expected.float(), atol=2e-3, rtol=2e-3)
+        # other key tiles sum in another order: a bf16 output may differ by its last bit (2^-8 at 1.0)
+        torch.testing.assert_close(s.out.float(), expected.float(), atol=8e-3, rtol=8e-3)
