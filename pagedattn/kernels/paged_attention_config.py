@@ -188,8 +188,8 @@ def forced_tile(tile: Tile, block_n: int, num_warps: int, num_stages: int,
 # Shared memory of a portable-kernel program, an upper bound (sm_80-sm_90, Triton 3.6-3.9): the
 # query tile, the key and value tiles (double-buffered where the pipeliner stages them), P for the
 # second product, and the compiler's scratch. Checked against the compiled kernels' `shared` for
-# sm_80/86/89/90 (tests/kernels/test_compile_targets.py); e.g. sm_86, head size 256, 128x64 tiles
-# over bf16: 147,456 B compiled, 212,992 B by this bound.
+# sm_80/86/89/90 (tests/kernels/test_compile_targets.py); e.g. a forced 128x64 tile at head size
+# 256 over bf16 on sm_86: 147,456 B compiled, 212,992 B by this bound (the policy plans 64x32 there).
 SMEM_SLACK = 4096
 
 
