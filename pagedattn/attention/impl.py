@@ -19,6 +19,7 @@ run the prefill and decode parts of a step separately set `split_parts`.
 from __future__ import annotations
 
 import enum
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -130,8 +131,9 @@ class AttentionImpl:
         self.attn_type = attn_type
         self.kv_scales = KVScales()
         self._alibi_on: dict[torch.device, torch.Tensor] = {}
-        self._last_views: tuple | None = None  # (kv_cache, block_size, K view, V view): `_cache_views`
-        self._checked_cache: tuple | None = None  # (kv_cache, what was checked): `_check_kv_cache`
+        # (a weak reference to the cache, what was checked): `_check_kv_cache`; weak, so that a pool
+        # the caller drops is freed
+        self._checked_cache: tuple | None = None
         self._check_semantics()
         # what the backend can run on this process's device (the current CUDA device, else the CPU)
         self._check_capabilities(self.backend.capabilities_on(DeviceProfile.of()))
@@ -222,17 +224,11 @@ class AttentionImpl:
 
     def _cache_views(self, kv_cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The K/V halves of `kv_cache` (`Backend.split_kv_cache`), each viewed as [num_blocks,
-        block_size, Hkv, D] (a layout that flattens a block's slots, as xformers', cannot name Hkv
-        and D itself; the layer can). Kept for the layer's cache: every step of a layer passes
-        the same tensor, so the views are made once."""
-        key = (kv_cache.data_ptr(), kv_cache.shape, block_size)
-        last = self._last_views
-        if last is not None and last[0] is kv_cache and last[1] == key:
-            return last[2], last[3]
-        k_cache, v_cache = (x.view(x.shape[0], block_size, self.num_kv_heads, self.head_size)
-                            for x in self.backend.split_kv_cache(kv_cache))
-        self._last_views = (kv_cache, key, k_cache, v_cache)
-        return k_cache, v_cache
+        block_size, Hkv, D]: a layout that flattens a block's slots (xformers) cannot name Hkv
+        and D itself, the layer can. (Not kept between calls: a view holds its pool alive.)"""
+        k_cache, v_cache = self.backend.split_kv_cache(kv_cache)
+        shape = (k_cache.shape[0], block_size, self.num_kv_heads, self.head_size)
+        return k_cache.view(shape), v_cache.view(shape)
 
     def _store(self, k, v, k_cache, v_cache, slots: torch.Tensor, scales: KVScales | None,
                md: AttentionMetadata, cross: bool) -> None:
@@ -361,9 +357,9 @@ class AttentionImpl:
         # step of an engine): checked once, then only the step's block ids against the pool.
         key = (kv_cache.shape, kv_cache.dtype, kv_cache.device, md.block_size, query.dtype, query.device)
         checked = self._checked_cache
-        if checked is None or checked[0] is not kv_cache or checked[1] != key:
+        if checked is None or checked[0]() is not kv_cache or checked[1] != key:
             self._check_kv_layout(kv_cache, query, md)
-            self._checked_cache = (kv_cache, key)
+            self._checked_cache = (weakref.ref(kv_cache), key)
         n = kv_cache.shape[bd] if kv_cache.dim() > bd else 0
         # Every block a kernel may read or write is named by the step's tables (slots included):
         # a host int per table, recorded by `build`, against the pool's size.

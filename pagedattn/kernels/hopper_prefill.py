@@ -141,20 +141,20 @@ def takes(profile: DeviceProfile, f) -> bool:
             and next_pow2(f.max_query_len * group) > 64 and group <= 16
             and f.q_dtype in (torch.float16, torch.bfloat16) and f.kv_dtype == f.q_dtype
             and not (f.window or f.alibi or f.soft_cap) and f.num_splits in (None, 1)
-            and profile.wgmma and unavailable_reason(profile) is None)
+            and unavailable_reason(profile) is None)
 
 
 def supported(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, paged: bool, group: int,
               max_query_len: int, max_seq_len: int, sliding_window, alibi_slopes, soft_cap, num_splits) -> bool:
-    """`takes` for a launch of these tensors on their device (tests and probes)."""
-    from .attention_plan import LaunchFacts
+    """`takes` for a launch of these tensors on their device (tests and probes; `group` is
+    the query heads over k_cache's KV heads)."""
+    from .paged_attention import launch_facts
 
-    head_size = query.shape[-1]
-    f = LaunchFacts(DeviceProfile.of(query.device), query.shape[0], 1, max_query_len, max_seq_len, 0, 1,
-                    query.shape[1], query.shape[1] // group, head_size, query.dtype, k_cache.dtype,
-                    k_cache.shape[1] if paged else 1, paged, True, sliding_window is not None,
-                    alibi_slopes is not None, soft_cap is not None, False, 1, False, False,
-                    layout_ok(query, k_cache, v_cache, paged=paged), False, (), num_splits=num_splits)
+    f = launch_facts(DeviceProfile.of(query.device), query, k_cache, v_cache, num_seqs=1,
+                     max_query_len=max_query_len, max_seq_len=max_seq_len, num_decodes=0, max_decode_query_len=1,
+                     paged=paged, causal=True, window=sliding_window is not None, alibi=alibi_slopes is not None,
+                     soft_cap=soft_cap is not None, lse=False, split_limit=1, store=None, new_kv=False,
+                     num_splits=num_splits)
     return takes(f.profile, f)
 
 
@@ -464,16 +464,13 @@ def hopper_prefill(query, k_cache, v_cache, out, *, query_start_loc, seq_lens, b
                    store: StoreTarget | None = None) -> None:
     """Plan and launch this kernel in one call (tests and tuning runs; `paged_attention` plans
     once a step). Arguments as `paged_attention` takes them, checked; `supported` holds."""
-    from .attention_plan import LaunchFacts
+    from .paged_attention import launch_facts
 
-    paged = kv_start_loc is None
-    num_heads, head_size = query.shape[1:]
-    f = LaunchFacts(DeviceProfile.of(query.device), query.shape[0], query_start_loc.shape[0] - 1, 0, max_seq_len,
-                    num_decodes, max(1, max_decode_query_len), num_heads, k_cache.shape[-2], head_size, query.dtype,
-                    k_cache.dtype, k_cache.shape[1] if paged else 1, paged, bool(causal), False, False, False,
-                    lse is not None, 1, store[0].shape[1] if store is not None else 0, False, True,
-                    store is not None and stores_rows(query, k_cache, v_cache, store),
-                    (*k_cache.stride(), *v_cache.stride()))
+    f = launch_facts(DeviceProfile.of(query.device), query, k_cache, v_cache, num_seqs=query_start_loc.shape[0] - 1,
+                     max_query_len=query.shape[0], max_seq_len=max_seq_len, num_decodes=num_decodes,
+                     max_decode_query_len=max(1, max_decode_query_len), paged=kv_start_loc is None,
+                     causal=causal, window=False, alibi=False, soft_cap=False, lse=lse is not None, split_limit=1,
+                     store=store, new_kv=False)
     plan = plan_hopper(f, search_steps=search_steps, tile=tile)
     run_hopper(plan, query, k_cache, v_cache, out, query_start_loc=query_start_loc, seq_lens=seq_lens,
                block_tables=block_tables, scale=scale, lse=lse, kv_start_loc=kv_start_loc, store=store)
