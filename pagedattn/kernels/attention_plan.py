@@ -121,7 +121,8 @@ def plan_attention(f: LaunchFacts) -> AttentionPlan:
     kv_elem = f.kv_dtype.itemsize
     chosen = choose_tile(head_size=f.head_size, group=group, max_query_len=f.max_query_len, elem_bytes=elem,
                          interpret=INTERPRET, max_seq_len=f.max_seq_len, num_seqs=f.num_seqs,
-                         num_kv_heads=f.num_kv_heads, num_sms=f.profile.num_sms, paged=f.paged)
+                         num_kv_heads=f.num_kv_heads, num_sms=f.profile.num_sms, paged=f.paged,
+                         kv_elem_bytes=kv_elem)
     if f.tile is None:
         tile = fit_tile(chosen, f.profile, head_size=f.head_size, group=group, q_bytes=elem, kv_bytes=kv_elem)
     else:
@@ -132,7 +133,7 @@ def plan_attention(f: LaunchFacts) -> AttentionPlan:
             num_splits = choose_num_splits(
                 num_seqs=f.num_seqs, num_kv_heads=f.num_kv_heads, max_query_len=f.max_query_len,
                 max_seq_len=f.max_seq_len, block_q=tile.block_q, block_n=tile.block_n, num_sms=f.profile.num_sms,
-                max_splits=f.split_limit, kv_elem_bytes=kv_elem)
+                max_splits=f.split_limit)
         min_tiles = split_min_tiles(num_seqs=f.num_seqs, num_kv_heads=f.num_kv_heads,
                                     max_query_len=f.max_query_len, block_q=tile.block_q, num_sms=f.profile.num_sms)
     else:

@@ -29,9 +29,10 @@ from ._common import next_pow2
 PROGRAMS_PER_SM = 2
 POLICY_MAX_SPLITS = 64  # beyond this the reduction costs more than the split gains (forced counts may go higher)
 MIN_TILES_TO_SPLIT = 5  # at most 4 key tiles (256 keys at BLOCK_N 64): never worth a reduction
-# Launches of 3 to 6 programs per SM (e.g. B=64 x 8 KV heads) ran 4-17% faster in two splits
-# over a 16-bit cache; over FP8 (half the bytes a tile) one split was 5% faster (B=64 L=4k).
-DOUBLE_BAND = (3, 6)
+# A launch of at least PROGRAMS_PER_SM programs an SM is not split. (Two splits between 3 and 6
+# programs an SM won 4-17% on the H100 with 64-key tiles, 2026-11-23; with today's 128-key tiles
+# one split is as fast or faster on both GPUs, 2026-11-27 on c21ae2d, 32/8/128 B=64, us for one
+# and two splits: H100 L=4k 361.7 / 366.8, L=16k 1417 / 1413; H200 L=4k 253.8 / 261.0.)
 
 
 @dataclass(frozen=True)
@@ -78,12 +79,18 @@ LONG_KEYS = 4096  # from this many keys (from 512 in a launch of >= PROGRAMS_PER
 _SHORT_TILE, _MID_TILE, _LONG_TILE = (32, 4, 2), (64, 4, 2), (128, 4, 2)
 
 
-def _decode_tile(key: int, block_m: int, max_seq_len: int, programs: int, num_sms: int) -> tuple[int, int, int]:
+def _decode_tile(key: int, block_m: int, max_seq_len: int, programs: int, num_sms: int,
+                 kv_elem_bytes: int) -> tuple[int, int, int]:
     if key > 128 or block_m > 32 or max_seq_len <= 0:
         return _DECODE_TILES[key]
     if max_seq_len <= SHORT_KEYS:
         return _SHORT_TILE
     if max_seq_len >= LONG_KEYS or (max_seq_len >= 2 * SHORT_KEYS and programs >= PROGRAMS_PER_SM * num_sms):
+        return _LONG_TILE
+    # A 64-key FP8 tile holds half a 16-bit tile's bytes: a launch of a wave or more (so not split)
+    # keeps too few loads in flight with it. 8/1/128 B=256 L=1k FP8, 64 vs 128 keys, us
+    # (2026-11-27, c21ae2d): H100 45.3 vs 35.4, H200 44.5 vs 33.3 (3 stages).
+    if kv_elem_bytes == 1 and programs >= num_sms:
         return _LONG_TILE
     return _MID_TILE
 
@@ -95,17 +102,19 @@ def _prefill_tile(key: int, max_seq_len: int, paged: bool) -> tuple[int, int, in
 
 def choose_tile(*, head_size: int, group: int, max_query_len: int, elem_bytes: int, interpret: bool,
                 max_seq_len: int = 0, num_seqs: int = 1, num_kv_heads: int = 1, num_sms: int = 1,
-                paged: bool = True) -> Tile:
+                paged: bool = True, kv_elem_bytes: int = 2) -> Tile:
     """The tile for one launch; `elem_bytes` is the query element size (4 shrinks tiles).
-    Decode-like launches pick their key tile by `max_seq_len` (0: unknown, the fixed table) and
-    their size (`num_seqs` x `num_kv_heads` programs on `num_sms`); prefill-like ones by
-    `max_seq_len` and whether the keys are paged or contiguous rows."""
+    Decode-like launches pick their key tile by `max_seq_len` (0: unknown, the fixed table),
+    their size (`num_seqs` x `num_kv_heads` programs on `num_sms`) and the cache's element size
+    (`kv_elem_bytes`); prefill-like ones by `max_seq_len` and whether the keys are paged or
+    contiguous rows."""
     head_pad = max(16, next_pow2(head_size))
     key = min(max(head_pad, 32), 256)
     rows = next_pow2(max(1, max_query_len) * group)
     if rows <= DECODE_ROWS:
         block_m = max(16, rows, next_pow2(group))
-        block_n, num_warps, num_stages = _decode_tile(key, block_m, max_seq_len, num_seqs * num_kv_heads, num_sms)
+        block_n, num_warps, num_stages = _decode_tile(key, block_m, max_seq_len, num_seqs * num_kv_heads, num_sms,
+                                                        kv_elem_bytes)
     else:
         block_m, block_n, num_warps, num_stages = _prefill_tile(key, max_seq_len, paged)
     block_m = max(block_m, next_pow2(group))  # at least one token's heads per program
@@ -230,16 +239,15 @@ def _pow2_in(x: int, lo: int, hi: int) -> bool:
 
 def choose_num_splits(*, num_seqs: int, num_kv_heads: int, max_query_len: int,
                       max_seq_len: int, block_q: int, block_n: int, num_sms: int,
-                      max_splits: int, kv_elem_bytes: int = 2) -> int:
+                      max_splits: int) -> int:
     """FlashDecoding split count for a launch of `num_seqs x query tiles x num_kv_heads` programs.
 
     No split when the longest sequence has fewer key tiles than `split_min_tiles`. With fewer
     programs than target = PROGRAMS_PER_SM x SMs: the largest power of two <= target // programs,
-    at most POLICY_MAX_SPLITS, the key tiles and `max_splits` (the workspace's room). Between
-    DOUBLE_BAND programs per SM, one query tile per sequence and a 16-bit cache
-    (`kv_elem_bytes`): 2. Otherwise 1. On an H100 (132
-    SMs) with 64-key tiles: 32/8/128 B=1 -> 32 splits (16 at 1k keys: one tile each), B=16 -> 2,
-    B=64 -> 2, B=256 -> 1; 8/1/128 B=1 -> 64, B=16 -> 16, B=64 -> 4, B=256 -> 1.
+    at most POLICY_MAX_SPLITS, the key tiles and `max_splits` (the workspace's room). Otherwise 1.
+    On an H100 or H200 (132 SMs) with 64-key tiles: 32/8/128 B=1 -> 32 splits (16 at 1k keys:
+    one tile each), B=16 -> 2, B=64 -> 1; 8/1/128 B=1 -> 64, B=16 -> 16, B=64 -> 4, B=256 -> 1.
+    An A100 (108 SMs) splits a little less, an L40S (142) a little more: the rule counts SMs.
     """
     programs = _programs(num_seqs, num_kv_heads, max_query_len, block_q)
     tiles = cdiv(max(1, max_seq_len), block_n)
@@ -247,18 +255,15 @@ def choose_num_splits(*, num_seqs: int, num_kv_heads: int, max_query_len: int,
                                                   max_query_len=max_query_len, block_q=block_q, num_sms=num_sms):
         return 1
     target = PROGRAMS_PER_SM * num_sms
-    if programs < target:
-        want = max(1, min(target // programs, POLICY_MAX_SPLITS, tiles, max_splits))
-        return 1 << (want.bit_length() - 1)
-    low, high = DOUBLE_BAND
-    decode_like = max_query_len <= block_q  # one query tile per sequence
-    banded = low * num_sms <= programs < high * num_sms
-    return 2 if decode_like and banded and kv_elem_bytes >= 2 else 1
+    if programs >= target:
+        return 1
+    want = max(1, min(target // programs, POLICY_MAX_SPLITS, tiles, max_splits))
+    return 1 << (want.bit_length() - 1)
 
 
 def split_min_tiles(*, num_seqs: int, num_kv_heads: int, max_query_len: int, block_q: int, num_sms: int) -> int:
     """Key tiles a sequence needs before the policy splits it: MIN_TILES_TO_SPLIT while the
-    launch is short of programs, twice that from DOUBLE_BAND on. The kernel applies it per
+    launch is short of programs, twice that otherwise (a forced count). The kernel applies it per
     sequence, so a launch planned for long sequences (a CUDA graph, captured for any length)
     leaves its short ones unsplit."""
     programs = _programs(num_seqs, num_kv_heads, max_query_len, block_q)

@@ -146,14 +146,18 @@ def test_many_splits_and_empty_splits(num_splits):
 def test_a_launch_planned_for_long_sequences_leaves_short_ones_unsplit():
     """A CUDA graph plans its split count for any length (max_seq_len = the table's room); the
     kernel then splits only the sequences with enough key tiles (`split_min_tiles`): the long
-    one here, not the short one. Both must match the unsplit launch."""
+    one here, not the short one. Both must match the unsplit launch. (A profile of 4 SMs: the 4
+    programs are short of the policy's 2 an SM, so it splits.)"""
+    from pagedattn.device_profile import DeviceProfile
+
     batch = make([(700, 1), (40, 1)], block_size=16)
     args = kernel_args(batch)
     args.max_seq_len = 4096
     ws = SplitKVWorkspace.allocate(batch.num_tokens, 4, 32, 64, DEVICE)
     ws.partial_out.fill_(float("nan"))
     ws.partial_stats.fill_(float("nan"))
-    split_out, split_lse = attend(args, scale=0.3, workspace=ws)
+    profile = DeviceProfile.of(DEVICE).with_(num_sms=4)
+    split_out, split_lse = attend(args, scale=0.3, workspace=ws, profile=profile)
     assert not ws.partial_stats.isnan().all()  # the launch was split
     out, lse = attend(args, scale=0.3)
     torch.testing.assert_close(split_out, out, atol=1e-5, rtol=1e-5)

@@ -33,7 +33,8 @@ ROW_FIELDS = (
     "grid", "case", "heads", "num_seqs", "num_tokens", "max_seq_len", "mean_seq_len", "block_size",
     "kv_dtype", "features", "timing", "provider", "kind", "store", "time_us", "gbs", "tflops", "bound",
     "pct_of_ceiling", "speed_vs_flashinfer", "rel_l2", "rel_l2_ref", "bytes", "flops", "intensity",
-    "floor_us", "how", "note", "skipped",
+    "floor_us", "how", "note", "skipped", "eager_us", "replay_us", "eager_speed_vs_flashinfer",
+    "replay_speed_vs_flashinfer",
 )
 # the environment, repeated on every CSV row so a CSV read alone still says where it ran
 ENV_FIELDS = ("gpu", "sm_clock", "mem_clock", "max_sm_clock", "torch", "triton", "flashinfer", "date")
@@ -110,6 +111,9 @@ def markdown(report: dict) -> str:
              "| rel L2 | note |", "|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         note = r.get("skipped") or "; ".join(x for x in (r.get("store"), r.get("note")) if x and x != "-")
+        if r.get("eager_us"):
+            note += (f"; eager back to back {r['eager_us']:.1f} us ({_fmt(r.get('eager_speed_vs_flashinfer'), '.2f')}x), "
+                     f"replayed {_fmt(r.get('replay_us'), '.1f')} us ({_fmt(r.get('replay_speed_vs_flashinfer'), '.2f')}x)")
         lines.append(
             f"| {r['case']} | {r['provider']} | {_fmt(r.get('time_us'), '.1f')} | {_fmt(r.get('gbs'), '.0f')} "
             f"| {_fmt(r.get('tflops'), '.1f')} | {_fmt(r.get('pct_of_ceiling'), '.0f')} "

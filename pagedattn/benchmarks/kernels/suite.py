@@ -30,7 +30,7 @@ from .peers import SDPA_KINDS, prepare_flashinfer, prepare_sdpa
 from .raw import prepare_raw
 from .report import make_row, markdown, write_all, write_csv, write_json
 from .step import NotApplicable, Step
-from .timing import Flusher, rotation_sets, time_events, time_graph, time_steps
+from .timing import Flusher, rotation_sets, time_back_to_back, time_events, time_graph, time_steps
 from .workload import make_workload
 
 RAW, FLASHINFER_RAW = "raw", "flashinfer-raw"
@@ -91,6 +91,17 @@ def _time(step: Step, case: Case, flusher: Flusher) -> tuple[float, str]:
         return us, f"{how}; graph capture failed ({_reason(exc)})"
 
 
+def _caller_times(step: Step) -> dict:
+    """A mixed step as callers see it: eager calls back to back (host included) and replayed."""
+    out = dict(eager_us=round(time_back_to_back(step.calls)[0], 2))
+    if not step.eager_only:
+        try:
+            out["replay_us"] = round(time_steps(step.calls)[0], 2)
+        except Exception as exc:  # noqa: BLE001 - not capturable: said in the row
+            out["note"] = f"{step.note}; replay failed ({_reason(exc)})"
+    return out
+
+
 def run_provider(p: Provider, w, flusher: Flusher) -> tuple[dict, torch.Tensor | None]:
     """(row fields, set 0's output) of provider `p` on workload `w`."""
     graph = w.case.timing != "events"
@@ -111,7 +122,10 @@ def run_provider(p: Provider, w, flusher: Flusher) -> tuple[dict, torch.Tensor |
         torch.cuda.synchronize()
         out = step.output().clone()
         us, how = _time(step, w.case, flusher)
-        return dict(time_us=us, how=how, store=step.store, note=step.note), out
+        fields = dict(time_us=us, how=how, store=step.store, note=step.note)
+        if w.case.grid == "mixed":
+            fields.update(_caller_times(step))
+        return fields, out
     except Exception as exc:  # noqa: BLE001
         return dict(skipped=f"failed: {_reason(exc)}", store=step.store), None
     finally:
@@ -147,6 +161,10 @@ def run_case(case: Case, plist: list[Provider], ceilings: dict, flusher: Flusher
         f = dict(fields[p.name])
         if f.get("time_us") and fi_time:
             f["speed_vs_flashinfer"] = round(fi_time / f["time_us"], 3)
+        for key in ("eager_us", "replay_us"):
+            peer = fields.get(FLASHINFER_RAW, {}).get(key)
+            if f.get(key) and peer:
+                f[f"{key[:-3]}_speed_vs_flashinfer"] = round(peer / f[key], 3)
         if p.name in outs and ref_name and p.name != ref_name:
             f["rel_l2"] = _rel_l2(outs[p.name], outs[ref_name])
             f["rel_l2_ref"] = ref_name

@@ -11,6 +11,9 @@ Three modes (a case's `timing`; every provider of a case is timed the same way):
 - "events": eager calls, each between two CUDA events, the L2 flushed before each by a memset
   sized to outlast the host's enqueue of the call, so the host runs ahead and the interval
   holds device time only (prefill, chunked and mixed steps, hundreds of microseconds each).
+Mixed steps are also timed as a caller sees them (`time_back_to_back`: eager calls one after
+another, the host's enqueue included wherever it is slower than the device) and replayed from a
+graph a call (`time_steps`), so eager and replayed costs compare in one run.
 Everything is a median; no timing waits on the host inside the timed loop.
 """
 
@@ -141,6 +144,19 @@ def time_steps(calls: Sequence[Callable[[], object]]) -> tuple[float, str]:
     reps = reps_for(per_step * len(order))
     ms = median_event_ms(replay_all, reps, warmup=2)
     return ms * 1e3 / len(order), f"{len(order)} one-step graphs back to back over {len(graphs)} sets, median of {reps}"
+
+
+def time_back_to_back(calls: Sequence[Callable[[], object]], count: int = 16) -> tuple[float, str]:
+    """Microseconds per eager call of `count` calls issued back to back (cycling the sets)
+    between two events: max(host enqueue, device time) per call, as an eager caller's step."""
+    def run():
+        for i in range(count):
+            calls[i % len(calls)]()
+
+    per_call = median_event_ms(run, 3, warmup=1) * 1e3 / count
+    reps = reps_for(per_call * count)
+    ms = median_event_ms(run, reps, warmup=1)
+    return ms * 1e3 / count, f"{count} eager calls back to back, median of {reps}"
 
 
 def time_events(calls: Sequence[Callable[[], object]], flusher: Flusher) -> tuple[float, str]:
