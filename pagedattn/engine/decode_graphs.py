@@ -95,6 +95,12 @@ class DecodeGraphs:
                 pool = graph.pool() if pool is None else pool
                 self._graphs[limit, bs] = _Graph(graph, graph_state, graph_state.get_graph_input_buffers(md), logits)
 
+    @staticmethod
+    def batch_sizes(max_num_seqs: int) -> list[int]:
+        """The captured batch sizes: 1, 2, 4, 8, then steps of 16, and `max_num_seqs`."""
+        return sorted({s for s in [1, 2, 4, 8, *range(16, max_num_seqs + 1, 16)] if s <= max_num_seqs}
+                      | {max_num_seqs})
+
     def size_for(self, batch_size: int) -> int | None:
         """The smallest captured batch size that holds `batch_size` sequences, or None (eager)."""
         return min((s for s in self.sizes if s >= batch_size), default=None)

@@ -46,6 +46,11 @@ logger = logging.getLogger(__name__)
 
 _GIB = 1 << 30
 _MAX_SWAP_POOL_RATIO = 4  # the CPU swap pool never exceeds this many times the device pool
+# The decode graphs' shared pool holds the largest graph's activations and float32 logits
+# [max_num_seqs, vocab]; the eager decode step measured at profiling is that, and each captured
+# graph adds its own executable state: kept free beside the KV pool with this much room.
+_GRAPH_POOL_MARGIN = 1.1
+_GRAPH_BYTES_EACH = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,8 @@ class ModelRunner:
         self.cache_dtype = kv_cache_dtype(config.kv_cache_dtype, self.spec.dtype)
         self.default_generator = torch.Generator(device=device).manual_seed(config.seed)
         self.sampler = Sampler(self.default_generator)
+        self.use_graphs = device.type == "cuda" and not config.enforce_eager and not self.spec.num_cross_layers
+        self._graph_reserve = 0  # bytes kept free for the decode graphs (`_decode_graph_bytes`) when profiled
 
         self.num_blocks = self._num_kv_blocks(config)
         shape = backend.get_kv_cache_shape(self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_size)
@@ -156,11 +163,8 @@ class ModelRunner:
         if device.type == "cuda" and not self.spec.num_cross_layers:
             self._warm_up()
         self.graphs = None
-        if device.type == "cuda" and not config.enforce_eager and not self.spec.num_cross_layers:
-            self.graphs = DecodeGraphs(
-                self.model, backend, self.attention_impls, self.kv_caches, max_num_seqs=self.max_num_seqs,
-                max_blocks_per_seq=self.max_blocks_per_seq, block_size=self.block_size, device=device,
-            )
+        if self.use_graphs:
+            self.graphs = self._capture_graphs()
 
     # ------------------------------------------------------------------ sizing
 
@@ -199,6 +203,28 @@ class ModelRunner:
                 f"{raise_hint}, or lower max_model_len (--max-model-len)"
             )
         return num
+
+    def _capture_graphs(self) -> DecodeGraphs:
+        """The decode graphs, or a ValueError with the numbers when the device cannot hold them
+        beside the KV pool (the engine is refused at start-up rather than failing mid-capture)."""
+        before = torch.cuda.memory_reserved(self.device)
+        try:
+            graphs = DecodeGraphs(
+                self.model, self.backend, self.attention_impls, self.kv_caches, max_num_seqs=self.max_num_seqs,
+                max_blocks_per_seq=self.max_blocks_per_seq, block_size=self.block_size, device=self.device,
+            )
+        except torch.OutOfMemoryError as exc:
+            free, total = torch.cuda.mem_get_info(self.device)
+            raise ValueError(
+                f"expected room for the decode CUDA graphs of up to max_num_seqs={self.max_num_seqs} sequences "
+                f"(about {self._graph_reserve / _GIB:.2f} GiB reserved for them) beside a KV pool of "
+                f"{self.num_blocks} blocks ({self.num_blocks * self._block_bytes() / _GIB:.2f} GiB), got an "
+                f"out-of-memory error with {free / _GIB:.2f} of {total / _GIB:.2f} GiB free; lower max_num_seqs "
+                f"(--max-num-seqs) or gpu_memory_utilization, or run without graphs (enforce_eager, --enforce-eager)"
+            ) from exc
+        took = torch.cuda.memory_reserved(self.device) - before
+        logger.info("decode graphs hold %.2f GiB (%.2f GiB kept for them)", took / _GIB, self._graph_reserve / _GIB)
+        return graphs
 
     def _num_cpu_blocks(self, config: EngineConfig) -> int:
         if config.preemption_mode == "recompute":
@@ -247,8 +273,26 @@ class ModelRunner:
         del hidden, logits
         stats = torch.cuda.memory_stats(self.device)
         transient = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
+        self._graph_reserve = self._decode_graph_bytes() if self.use_graphs else 0
         free, total = torch.cuda.mem_get_info(self.device)
-        return total * utilization - (total - free) - transient
+        return total * utilization - (total - free) - transient - self._graph_reserve
+
+    def _decode_graph_bytes(self) -> int:
+        """What the decode graphs will hold: the eager decode step of `max_num_seqs` sequences
+        (model and output head, empty cache) measured, with room for each graph's own state."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        seqs = [ScheduledSeq(1, 1, [0])] * self.max_num_seqs
+        ids = torch.zeros(self.max_num_seqs, dtype=torch.int64, device=self.device)
+        md = self.builder.build(seqs)
+        empty = [torch.empty(0, dtype=self.cache_dtype, device=self.device)] * self.num_caches
+        with forward_context(md, empty):
+            logits = self.model.compute_logits(self._forward(ids, torch.zeros_like(ids), None))
+        torch.cuda.synchronize(self.device)
+        del logits
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        num_graphs = 2 * len(DecodeGraphs.batch_sizes(self.max_num_seqs))  # two context classes at most
+        return int(peak * _GRAPH_POOL_MARGIN) + num_graphs * _GRAPH_BYTES_EACH
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
