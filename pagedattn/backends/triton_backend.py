@@ -148,26 +148,21 @@ class TritonImpl(AttentionImpl):
         store_kv(k, v, k_cache, v_cache, slots, ks, vs)
 
     def _stores_in_attend(self, calls: list[AttendCall]) -> bool:
-        # The one launch of the step writes its rows (saving the store launch): fresh prompts
-        # read the step's rows and may write them from inside the kernel (`paged_attention`'s
-        # `store`); other cache steps hand them over as `new_kv`, which decode programs write
-        # before they read them (else `store_kv` runs first, inside `paged_attention`).
+        # The one launch of the step writes its rows (saving the store launch): it takes them as
+        # `paged_attention`'s `write`, and its plan says who writes (decode programs before they
+        # read them; a fresh prompt's producer; else `store_kv` first, inside the launch).
         return len(calls) == 1 and calls[0].source is Source.CACHE and calls[0].step_k is not None
 
     def _attend(self, q, out, call: AttendCall, kv_cache, scales) -> None:
-        NewKV, StoreTarget, launch_facts, plan_attention, run_plan = _kernels()
+        KVWrite, launch_facts, plan_attention, run_plan = _kernels()
         k, v, tables, kv_start_loc = call.k, call.v, call.block_tables, call.kv_start_loc
         # A step's decodes follow its prefills (builder.py), one query each: the launch gives them
         # a decode tile of their own. Step-row calls (encoders, profiling) number other sequences.
         md = call.md
         num_decodes = 0 if call.source is Source.STEP else md.num_seqs - md.num_prefills
-        store = new_kv = None
+        write = None if call.store_slots is None else KVWrite(call.step_k, call.step_v, k, v, call.store_slots)
         if call.keys_are_step_rows:  # contiguous reads, no block table (H100, 4x4k: 417 vs 288 TFLOP/s)
-            if call.store_slots is not None:
-                store = StoreTarget(k, v, call.store_slots)
             k, v, tables, kv_start_loc = call.step_k, call.step_v, None, call.query_start_loc
-        elif call.store_slots is not None:
-            new_kv = NewKV(call.step_k, call.step_v, call.store_slots)
         paged = kv_start_loc is None
         profile, workspace = self._on_device(q.device)
         facts = launch_facts(
@@ -175,20 +170,19 @@ class TritonImpl(AttentionImpl):
             max_query_len=call.max_query_len, max_seq_len=call.max_kv_len, num_decodes=num_decodes,
             max_decode_query_len=1, paged=paged, causal=call.causal, window=self.sliding_window is not None,
             alibi=self.alibi_slopes is not None, soft_cap=self.logits_soft_cap is not None, lse=False,
-            split_limit=workspace.splits_for(q.shape[0], self.num_heads, self.head_size), store=store,
-            new_kv=new_kv is not None)
+            split_limit=workspace.splits_for(q.shape[0], self.num_heads, self.head_size), write=write)
         run_plan(plan_attention(facts), q, k, v, out, query_start_loc=call.query_start_loc, seq_lens=call.kv_lens,
                  block_tables=tables, kv_start_loc=kv_start_loc, scale=self.scale,
                  sliding_window=self.sliding_window, alibi_slopes=self.alibi_slopes_on(q.device),
                  soft_cap=self.logits_soft_cap, k_scale=scales.k if scales else 1.0,
-                 v_scale=scales.v if scales else 1.0, lse=None, workspace=workspace, store=store, new_kv=new_kv)
+                 v_scale=scales.v if scales else 1.0, lse=None, workspace=workspace, write=write)
 
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
     """The kernel package's entry points, imported on first use (importing it imports triton)."""
-    from pagedattn.kernels import NewKV, StoreTarget
+    from pagedattn.kernels import KVWrite
     from pagedattn.kernels.attention_plan import plan_attention
     from pagedattn.kernels.paged_attention import launch_facts, run_plan
 
-    return NewKV, StoreTarget, launch_facts, plan_attention, run_plan
+    return KVWrite, launch_facts, plan_attention, run_plan

@@ -8,12 +8,11 @@ from .copy_blocks import copy_blocks
 from .merge_attn_states import merge_attn_states
 from .paged_attention import paged_attention
 from .split_kv import SplitKVWorkspace, reduce_splits, shared_workspace
-from .store_kv import NewKV, StoreTarget, store_kv
+from .store_kv import KVWrite, store_kv
 
 __all__ = [
-    "NewKV",
+    "KVWrite",
     "SplitKVWorkspace",
-    "StoreTarget",
     "advance_step",
     "copy_blocks",
     "merge_attn_states",

@@ -61,8 +61,8 @@ class LaunchFacts(NamedTuple):
     soft_cap: bool
     lse: bool
     split_limit: int  # the most splits the workspace holds for this launch (1: unsplit)
-    store: int  # contiguous rows to write into pages of this block size (`store`; 0: none)
-    new_kv: bool  # the step's new rows to write into the pages it reads (`new_kv`)
+    store: int  # a launch over contiguous rows writes them into pages of this block size (`write`; 0: none)
+    new_kv: bool  # a launch over pages writes the step's new rows into the pages it reads (`write`)
     gluon_layout: bool  # the tensors' layout lets the Gluon kernels run (`hopper_prefill.layout_ok`)
     gluon_store: bool  # ... and its producer write the rows (`hopper_prefill.stores_rows`)
     kv_strides: tuple  # the caches' strides (the Gluon kernels take a page's row stride as a constexpr)

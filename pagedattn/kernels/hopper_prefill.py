@@ -15,7 +15,7 @@ so that their key reads run beside the prefill's products):
   key/value tiles and completes mbarriers; one or two consumer warpgroups (64 query rows each)
   run the loop and hand slots back by mbarriers, with registers moved to them (`setmaxnreg`).
   A mixed launch's decodes run with swapped operands (query columns, not rows); over a step's
-  own rows the producer can also write them into the paged cache (`store`).
+  own rows the producer can also write them into the paged cache (`write`).
   1.05-1.16x the kernel below at head size 128 (docs/PERF.md, "Gluon kernel tiles"; 3b17081).
 - head size 64: the kernel here, one program of 4 warps (one warpgroup) doing both: key/value
   tiles over pages (any page size) by `cp.async` into a ring of STAGES slots, a tile's block ids
@@ -48,7 +48,7 @@ from pagedattn.device_profile import DeviceProfile
 from ._common import INTERPRET, next_pow2
 from .hopper_parts import GLUON, LOG2E
 from .launch import BoundKernel, bind
-from .store_kv import StoreTarget
+from .store_kv import KVWrite
 
 if GLUON:
     from triton.experimental import gluon
@@ -153,7 +153,7 @@ def supported(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     f = launch_facts(DeviceProfile.of(query.device), query, k_cache, v_cache, num_seqs=1,
                      max_query_len=max_query_len, max_seq_len=max_seq_len, num_decodes=0, max_decode_query_len=1,
                      paged=paged, causal=True, window=sliding_window is not None, alibi=alibi_slopes is not None,
-                     soft_cap=soft_cap is not None, lse=False, split_limit=1, store=None, new_kv=False,
+                     soft_cap=soft_cap is not None, lse=False, split_limit=1, write=None,
                      num_splits=num_splits)
     return takes(f.profile, f)
 
@@ -345,13 +345,13 @@ if GLUON:
                          mask=(r_o < BLOCK_Q * GROUP) & (q0 + r_o // GROUP < q_len))
 
 
-def stores_rows(query: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, store: StoreTarget) -> bool:
-    """Whether a launch over contiguous rows (`supported` holds) writes them into `store`'s
+def stores_rows(query: torch.Tensor, write: KVWrite) -> bool:
+    """Whether a launch over contiguous rows (`supported` holds) writes them into `write`'s
     pages itself: the warp-specialised kernel's producer can, into 16-bit pages of the query's
     dtype, with K and V of the same strides (rows and pages) and the head's elements adjacent."""
-    k_pages, v_pages, _ = store
+    k_pages, v_pages = write.k_cache, write.v_cache
     return (query.shape[-1] in WS_HEAD_SIZES and k_pages.dtype == query.dtype and k_pages.stride() == v_pages.stride()
-            and k_pages.stride(-1) == 1 and k_rows.stride() == v_rows.stride())
+            and k_pages.stride(-1) == 1 and write.key.stride() == write.value.stride())
 
 
 @dataclass(eq=False)
@@ -402,10 +402,10 @@ def plan_hopper(f, *, search_steps: int, tile: tuple[int, int, int] | None = Non
 
 
 def run_hopper(plan: HopperPlan, query, k_cache, v_cache, out, *, query_start_loc, seq_lens, block_tables, scale,
-               lse, kv_start_loc, store: StoreTarget | None = None) -> None:
+               lse, kv_start_loc, write: KVWrite | None = None) -> None:
     """Launch `plan` over these tensors (checked by `paged_attention`, of the plan's facts).
-    `store` (contiguous rows; the plan's facts say the producer can write them): the producer
-    also writes each program's rows into those pages."""
+    `write` (contiguous rows; the plan's facts say the producer can write them): the producer
+    also writes each program's rows into its pages."""
     num_tokens = query.shape[0]
     num_seqs = query_start_loc.shape[0] - 1
     head_size, num_kv_heads = plan.head_size, plan.num_kv_heads
@@ -432,8 +432,8 @@ def run_hopper(plan: HopperPlan, query, k_cache, v_cache, out, *, query_start_lo
             out.stride(0), out.stride(1), lse_arg.stride(0), lse_arg.stride(1), sbt)
     grid = ((num_tiles + num_decodes) * num_kv_heads,)
     if plan.ws:
-        if store is not None:
-            k_pages, v_pages, slots = store
+        if write is not None:
+            k_pages, v_pages, slots = write.k_cache, write.v_cache, write.slot_mapping
             store_args = (k_cache, v_cache, slots, k_pages, v_pages, *k_pages.stride()[:3])
         else:  # never read
             store_args = (query, query, seq_lens, query, query, 0, 0, 0)
@@ -461,7 +461,7 @@ def run_hopper(plan: HopperPlan, query, k_cache, v_cache, out, *, query_start_lo
 def hopper_prefill(query, k_cache, v_cache, out, *, query_start_loc, seq_lens, block_tables, scale, causal,
                    lse, kv_start_loc, max_seq_len: int, search_steps: int, num_decodes: int = 0,
                    max_decode_query_len: int = 0, tile: tuple[int, int, int] | None = None,
-                   store: StoreTarget | None = None) -> None:
+                   write: KVWrite | None = None) -> None:
     """Plan and launch this kernel in one call (tests and tuning runs; `paged_attention` plans
     once a step). Arguments as `paged_attention` takes them, checked; `supported` holds."""
     from .paged_attention import launch_facts
@@ -470,7 +470,7 @@ def hopper_prefill(query, k_cache, v_cache, out, *, query_start_loc, seq_lens, b
                      max_query_len=query.shape[0], max_seq_len=max_seq_len, num_decodes=num_decodes,
                      max_decode_query_len=max(1, max_decode_query_len), paged=kv_start_loc is None,
                      causal=causal, window=False, alibi=False, soft_cap=False, lse=lse is not None, split_limit=1,
-                     store=store, new_kv=False)
+                     write=write)
     plan = plan_hopper(f, search_steps=search_steps, tile=tile)
     run_hopper(plan, query, k_cache, v_cache, out, query_start_loc=query_start_loc, seq_lens=seq_lens,
-               block_tables=block_tables, scale=scale, lse=lse, kv_start_loc=kv_start_loc, store=store)
+               block_tables=block_tables, scale=scale, lse=lse, kv_start_loc=kv_start_loc, write=write)

@@ -43,9 +43,11 @@ Algorithm (FlashAttention-2 with GQA packing and FlashDecoding splits):
   instead: asynchronous warpgroup MMAs, warp-specialised at head size 128, about 1.5x this loop
   over pages (docs/PERF.md, "Paged causal prefill"; 283c65b and 3b17081, 2026-11-26). A forced
   `tile` keeps this kernel.
-- `store`: a launch over a step's own contiguous rows (fresh prompts) may also write them into
-  the paged cache; the warp-specialised kernel's producer does it while the products run, which
-  saves the store launch and its read of the rows (6defd2d, 2026-11-26), else `store_kv` runs first.
+- `write` (one `KVWrite`: rows, pages, slots): a launch writes the step's new K/V into the pages
+  itself where it can, and the plan says who does (`Store`). Over pages, decode programs write
+  their own key range's rows before reading them (76cbdff); over a step's own contiguous rows
+  (fresh prompts) the warp-specialised kernel's producer writes them while the products run
+  (6defd2d, 2026-11-26); otherwise `store_kv` runs first.
 The per-program body lives in attention_program.py.
 
 Host side: `paged_attention` checks its arguments, then plans (`attention_plan.plan_attention`:
@@ -70,7 +72,7 @@ from . import hopper_prefill
 from .launch import BoundKernel, bind
 from .pdl import use_pdl_on
 from .split_kv import SplitKVWorkspace, launch_reduce_splits
-from .store_kv import NewKV, StoreTarget, check_store, fp8_constants, launch_store_kv
+from .store_kv import KVWrite, check_store, fp8_constants, launch_store_kv
 
 
 # Integer arguments that change from step to step are not specialised on (Triton compiles a
@@ -214,8 +216,7 @@ def paged_attention(
     num_decodes: int = 0,
     max_decode_query_len: int = 1,
     decode_tile: tuple[int, ...] | None = None,
-    store: StoreTarget | None = None,
-    new_kv: NewKV | None = None,
+    write: KVWrite | None = None,
     profile: DeviceProfile | None = None,
 ) -> torch.Tensor:
     """Attention of `query` over the paged cache, written into `out` (returned).
@@ -251,19 +252,15 @@ def paged_attention(
         result is the same either way. 0: every sequence takes the launch's tile.
     decode_tile: force (BLOCK_N, num_stages[, BLOCK_M rows]) of those decode programs (tuning);
         only for a launch that gives its decodes their own tile (warps are the launch's).
-    store: with `kv_start_loc`, paged caches and a slot per contiguous key/value row where the
-        call also writes those rows, as `store_kv(k_cache, v_cache, *store, k_scale, v_scale)`
-        would (the launch reads no pages, so the order does not matter). The warp-specialised
-        Gluon kernel writes them from its producer while the products run (`hopper_prefill.
-        stores_rows`); otherwise `store_kv` runs first. The kernel writes the rows of the
-        sequences' key ranges: rows outside every range must have slot -1.
-    new_kv: with paged caches, the step's new rows (key, value [T, Hkv, D], row t the key/value
-        of query row t) and their slots [T] int64 (-1: nowhere), written into k_cache/v_cache as
-        `store_kv(*new_kv[:2], k_cache, v_cache, new_kv.slot_mapping, k_scale, v_scale)` would,
-        before they are read. In a launch where each sequence's queries are one tile (decodes)
-        each program writes the new rows of its own key range first, saving the store launch;
-        otherwise `store_kv` runs first. Rows outside every sequence's queries must have slot -1
-        (padding): the programs write only their sequences' rows. Causal launches only.
+    write: rows to write into pages as `store_kv(*write, k_scale, v_scale)` would (`KVWrite`).
+        Over pages: the step's new rows (row t the key/value of query row t) into the launch's
+        own k_cache/v_cache, before they are read (causal launches only); where each sequence's
+        queries are one tile (decodes) each program writes its own key range's rows first,
+        saving the store launch. Over contiguous rows (`kv_start_loc`): the launch's own
+        key/value rows into the pages (the launch reads no pages, so the order does not
+        matter); the warp-specialised Gluon kernel writes them from its producer while the
+        products run (`hopper_prefill.stores_rows`). Otherwise `store_kv` runs first. The
+        programs write only their sequences' rows: rows outside them must have slot -1.
     profile: the device's `DeviceProfile` (default: `DeviceProfile.of(query.device)`); tiles and
         kernels follow it (compile tests pass other GPUs' profiles).
 
@@ -329,16 +326,8 @@ def paged_attention(
                     ("kv_start_loc", kv_start_loc), ("alibi_slopes", alibi_slopes)):
         if t is not None:
             check(t.stride(0) == 1 or t.shape[0] <= 1, f"{name}.stride(0)", 1, t.stride(0))
-    if store is not None:
-        check(not paged, "store without kv_start_loc", "contiguous key rows to store", "a paged launch")
-        check_store(k_cache, v_cache, *store)
-    if new_kv is not None:
-        check(paged, "new_kv with kv_start_loc", "a paged launch (contiguous rows store through `store`)",
-              "kv_start_loc")
-        check(causal, "new_kv with causal=False", "causal=True (new rows end their sequences)", "causal=False")
-        check_store(new_kv.key, new_kv.value, k_cache, v_cache, new_kv.slot_mapping)
-        check(new_kv.key.shape[0] == num_tokens, "new_kv.key.shape[0]", f"{num_tokens} (a row per query row)",
-              new_kv.key.shape[0])
+    if write is not None:
+        check_write(write, k_cache, v_cache, paged=paged, causal=causal, num_tokens=num_tokens)
     check(0 <= num_decodes <= num_seqs, "num_decodes", f"0..{num_seqs} (the sequences)", num_decodes)
     check(max_decode_query_len >= 1, "max_decode_query_len", ">= 1", max_decode_query_len)
     profile = profile if profile is not None else DeviceProfile.of(device)
@@ -354,21 +343,42 @@ def paged_attention(
                          max_seq_len=max_seq_len, num_decodes=num_decodes, max_decode_query_len=max_decode_query_len,
                          paged=paged, causal=causal, window=sliding_window is not None,
                          alibi=alibi_slopes is not None, soft_cap=soft_cap is not None, lse=lse is not None,
-                         split_limit=split_limit, store=store, new_kv=new_kv is not None, tile=tile,
-                         decode_tile=decode_tile, num_splits=num_splits)
+                         split_limit=split_limit, write=write, tile=tile, decode_tile=decode_tile,
+                         num_splits=num_splits)
     run_plan(plan_attention(facts), query, k_cache, v_cache, out, query_start_loc=query_start_loc,
              seq_lens=seq_lens, block_tables=block_tables, kv_start_loc=kv_start_loc, scale=scale,
              sliding_window=sliding_window, alibi_slopes=alibi_slopes, soft_cap=soft_cap, k_scale=k_scale,
-             v_scale=v_scale, lse=lse, workspace=workspace, store=store, new_kv=new_kv)
+             v_scale=v_scale, lse=lse, workspace=workspace, write=write)
     return out
+
+
+def check_write(write: KVWrite, k_cache, v_cache, *, paged: bool, causal: bool, num_tokens: int) -> None:
+    """`paged_attention`'s `write` against its launch: over pages it writes into the launch's own
+    caches, a row per query row; over contiguous rows it writes the launch's own rows."""
+    check_store(*write)
+    if paged:
+        check(_same(write.k_cache, k_cache) and _same(write.v_cache, v_cache), "write.k_cache/v_cache",
+              "the launch's k_cache/v_cache (a paged launch writes its new rows where it reads)", "other tensors")
+        check(causal, "write with causal=False", "causal=True (new rows end their sequences)", "causal=False")
+        check(write.key.shape[0] == num_tokens, "write.key.shape[0]", f"{num_tokens} (a row per query row)",
+              write.key.shape[0])
+    else:
+        check(_same(write.key, k_cache) and _same(write.value, v_cache), "write.key/value",
+              "the launch's contiguous key/value rows (a launch over rows writes those rows)", "other tensors")
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same elements: one storage, offset, shape and strides (views made twice compare equal)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
 
 def launch_facts(profile: DeviceProfile, query, k_cache, v_cache, *, num_seqs: int, max_query_len: int,
                  max_seq_len: int, num_decodes: int, max_decode_query_len: int, paged: bool, causal: bool,
-                 window: bool, alibi: bool, soft_cap: bool, lse: bool, split_limit: int, store: StoreTarget | None,
-                 new_kv: bool, tile=None, decode_tile=None, num_splits=None) -> LaunchFacts:
+                 window: bool, alibi: bool, soft_cap: bool, lse: bool, split_limit: int, write: KVWrite | None,
+                 tile=None, decode_tile=None, num_splits=None) -> LaunchFacts:
     """The `LaunchFacts` of a launch over these tensors (query [T, Hq, D]; the caches, or the
     contiguous key/value rows with `paged` False), with the options as host values."""
+    store = write is not None and not paged  # contiguous rows into pages of write's block size
     num_tokens, num_heads, head_size = query.shape
     # decode-like launches never take the Gluon kernels: their layout is not looked at
     gluon_layout = (profile.wgmma and next_pow2(max_query_len * num_heads // k_cache.shape[-2]) > 64
@@ -376,30 +386,26 @@ def launch_facts(profile: DeviceProfile, query, k_cache, v_cache, *, num_seqs: i
     return LaunchFacts(
         profile, num_tokens, num_seqs, max_query_len, max_seq_len, num_decodes, max_decode_query_len, num_heads,
         k_cache.shape[-2], head_size, query.dtype, k_cache.dtype, k_cache.shape[1] if paged else 1, paged,
-        bool(causal), window, alibi, soft_cap, lse, split_limit, store[0].shape[1] if store is not None else 0,
-        new_kv, gluon_layout,
-        store is not None and gluon_layout and hopper_prefill.stores_rows(query, k_cache, v_cache, store),
+        bool(causal), window, alibi, soft_cap, lse, split_limit, write.k_cache.shape[1] if store else 0,
+        write is not None and paged, gluon_layout, store and gluon_layout and hopper_prefill.stores_rows(query, write),
         (*k_cache.stride(), *v_cache.stride()), tile, decode_tile, num_splits)
 
 
 def run_plan(plan: AttentionPlan, query, k_cache, v_cache, out, *, query_start_loc, seq_lens, block_tables,
              kv_start_loc, scale, sliding_window, alibi_slopes, soft_cap, k_scale, v_scale, lse, workspace,
-             store, new_kv) -> None:
+             write) -> None:
     """Launch `plan` over these tensors: arguments as `paged_attention` takes them, checked, of
     the plan's facts (the backends call this with a plan of the step). Launches only."""
     f = plan.facts
     if plan.store is Store.FIRST:
-        if store is not None:
-            launch_store_kv(k_cache, v_cache, *store, k_scale, v_scale)  # rows to pages, checked
-        elif new_kv is not None:
-            launch_store_kv(new_kv.key, new_kv.value, k_cache, v_cache, new_kv.slot_mapping, k_scale, v_scale)
+        launch_store_kv(*write, k_scale, v_scale)  # rows to pages, checked
     if plan.empty:
         return
     if plan.gluon is not None:
         hopper_prefill.run_hopper(
             plan.gluon, query, k_cache, v_cache, out, query_start_loc=query_start_loc, seq_lens=seq_lens,
             block_tables=block_tables, scale=scale, lse=lse, kv_start_loc=kv_start_loc,
-            store=store if plan.store is Store.KERNEL else None)
+            write=write if plan.store is Store.KERNEL else None)
         return
     fp8 = f.kv_dtype in FP8_DTYPES
     k_scale_t = scale_tensor(k_scale, "k_scale", query.device) if fp8 else seq_lens
@@ -419,7 +425,7 @@ def run_plan(plan: AttentionPlan, query, k_cache, v_cache, out, *, query_start_l
         bt_arg, bt_stride, kv_start_arg = seq_lens, 0, kv_start_loc
         kv_strides = (0, *f.kv_strides[:3], 0, *f.kv_strides[3:])
     fused = plan.store is Store.KERNEL
-    new_k, new_v, new_slots = new_kv if fused else (query, query, seq_lens)  # never read without
+    new_k, new_v, new_slots = (write.key, write.value, write.slot_mapping) if fused else (query, query, seq_lens)
     kernel = plan.bound.get(_paged_attention_kernel)  # keyed by the function: tests swap it for a recorder
     if kernel is None:
         kernel = plan.bound[_paged_attention_kernel] = _bind_attend(plan)

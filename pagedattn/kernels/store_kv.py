@@ -9,7 +9,7 @@ read from a 0-dim device tensor so a captured CUDA graph sees scale updates. Und
 TRITON_INTERPRET the value is first rounded to the FP8 grid in float32, because the
 interpreter's own cast misrounds (the GPU's cvt instruction does not). The row write
 (`_write_rows`) is shared with the attention kernel, whose decode programs may write their own
-new rows (`paged_attention`'s `new_kv`, `NewKV`).
+new rows (`paged_attention`'s `write`, a `KVWrite`).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _write_rows(
 ):
     """Write rows (token `tok[r]`, KV head `head[r]`) where `ok[r]`, each to the slot
     `slot_mapping[tok[r]]` (< 0: nowhere): the store of `_store_kv_kernel`, and of an attention
-    program that writes its own new rows (`paged_attention`'s `new_kv`)."""
+    program that writes its own new rows (`paged_attention`'s `write`)."""
     tok64 = tok.to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok64, mask=ok, other=-1).to(tl.int64)
     ok = ok & (slot >= 0)
@@ -104,22 +104,17 @@ def _store_kv_kernel(
                 HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, FP8, FP8_MAX, FP8_MANTISSA_BITS, FP8_MIN_EXP, INTERPRETED)
 
 
-class StoreTarget(NamedTuple):
-    """Where a launch over contiguous key/value rows also writes them (`paged_attention`'s
-    `store`): paged caches [num_blocks, block_size, Hkv, D] and one slot a row (-1: nowhere)."""
-
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    slot_mapping: torch.Tensor
-
-
-class NewKV(NamedTuple):
-    """A paged launch's own new rows (`paged_attention`'s `new_kv`): key, value [T, Hkv, D], row t
-    the key/value of query row t, written into the launch's caches at `slot_mapping` [T] int64
-    (-1: nowhere) before any program reads them, as `store_kv` would."""
+class KVWrite(NamedTuple):
+    """Rows a launch also writes into pages (`paged_attention`'s `write`), as
+    `store_kv(*write, k_scale, v_scale)` would: key, value [T, Hkv, D] into k_cache, v_cache
+    [num_blocks, block_size, Hkv, D] at `slot_mapping` [T] int64 (-1: nowhere). A launch over
+    pages writes its step's new rows into the caches it reads (before reading them); a launch
+    over contiguous rows writes those rows (its keys and values) into the pages."""
 
     key: torch.Tensor
     value: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
     slot_mapping: torch.Tensor
 
 

@@ -49,7 +49,7 @@ _PLAN_KEYS = ("BLOCK_M", "BLOCK_N", "MIXED", "DEC_BLOCK_M", "DEC_BLOCK_N", "DEC_
               "STORE_NEW", "SPLITS_BLOCK", "PDL", "num_warps", "num_stages")
 
 # (context_len, query_len) per sequence; heads (32, 8), bf16, 16-key pages unless a case says.
-# Every cache launch hands the step's rows over as the engine does (`new_kv`): decodes write them
+# Every cache launch hands the step's rows over as the engine does (`write`): decodes write them
 # in the attention kernel, prefills and mixed steps run `store_kv` first. Each case compiles for
 # `targets`, so that the file runs in about 4 minutes on 2 cores: Blackwell (sm_100 compiles ~2x
 # slower than sm_90) gets head size 128's decode, prefill and mixed tiles and an FP8 e4m3 decode.
@@ -141,7 +141,7 @@ class _Recorder:
 def _launch(c: dict, profile) -> None:
     """One `paged_attention` call of case `c`, as the engine makes it, planned for `profile`."""
     from pagedattn.intmath import cdiv
-    from pagedattn.kernels import NewKV, SplitKVWorkspace, StoreTarget, paged_attention, store_kv
+    from pagedattn.kernels import KVWrite, SplitKVWorkspace, paged_attention, store_kv
     from pagedattn.kernels.split_kv import _MIN_ROWS, MAX_SPLITS, ROWS_PER_SM
 
     (hq, hkv), d, bs, lens = c.get("heads", (32, 8)), c["head_size"], c.get("block_size", 16), c["lens"]
@@ -167,9 +167,10 @@ def _launch(c: dict, profile) -> None:
                   workspace=workspace, num_splits=c.get("num_splits"), num_decodes=c.get("decodes", 0),
                   profile=profile)
     if c.get("prompt"):  # keys: the step's rows (`kv_start_loc`), also written into pages
-        common |= dict(block_tables=None, kv_start_loc=starts, store=StoreTarget(pool[0], pool[1], slots))
+        common |= dict(block_tables=None, kv_start_loc=starts, write=KVWrite(step_k, step_v, pool[0], pool[1], slots))
         return paged_attention(query, step_k, step_v, out, **common)
-    paged_attention(query, pool[0], pool[1], out, block_tables=tables, new_kv=NewKV(step_k, step_v, slots), **common)
+    paged_attention(query, pool[0], pool[1], out, block_tables=tables,
+                    write=KVWrite(step_k, step_v, pool[0], pool[1], slots), **common)
 
 
 def _compile_target(target: int) -> dict:

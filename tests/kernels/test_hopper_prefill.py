@@ -228,12 +228,12 @@ ON_GPU = DEVICE.type == "cuda"
 @pytest.mark.parametrize("block_size", [16, 1])
 @pytest.mark.parametrize("heads", [(32, 8), (12, 4)], ids=str)
 def test_a_contiguous_launch_stores_its_rows(pages, causal, block_size, heads):
-    """`paged_attention(..., store=...)` over contiguous rows writes every row into the pages at
+    """`paged_attention(..., write=...)` over contiguous rows writes every row into the pages at
     its slot (none at -1, nothing else touched), exactly as `store_kv`, and attends as without
     it: from the warp-specialised kernel's producer on an H100/H200 (16-bit pages), by
     `store_kv` first elsewhere. Non-causal launches have other key counts (more and fewer than
     queries, a sequence without queries), so every program's share of rows is exercised."""
-    from pagedattn.kernels import StoreTarget, paged_attention, store_kv
+    from pagedattn.kernels import KVWrite, paged_attention, store_kv
 
     num_heads, num_kv_heads = heads
     d = 128
@@ -259,35 +259,34 @@ def test_a_contiguous_launch_stores_its_rows(pages, causal, block_size, heads):
     store_kv(k, v, expected[0], expected[1], slots, scale_k, scale_v)
     cache = sentinel.clone()
 
-    def launch(store):
+    def launch(write):
         out = torch.full_like(q, float("nan"))
         paged_attention(q, k, v, out, query_start_loc=qsl, seq_lens=seq_lens, block_tables=None,
                         max_query_len=max(q_lens), max_seq_len=max(kv_lens), scale=d ** -0.5, causal=causal,
-                        kv_start_loc=ksl, k_scale=scale_k, v_scale=scale_v, store=store)
+                        kv_start_loc=ksl, k_scale=scale_k, v_scale=scale_v, write=write)
         return out
 
-    out = launch(StoreTarget(cache[0], cache[1], slots))
+    out = launch(KVWrite(k, v, cache[0], cache[1], slots))
     assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
     torch.testing.assert_close(out, launch(None), atol=0, rtol=0)
 
 
-def test_a_store_needs_contiguous_rows_and_a_slot_each():
-    """`store` writes contiguous rows; a paged launch (keys already in the pages) refuses it, and
-    a contiguous one refuses a slot mapping that is not one slot a row."""
-    from pagedattn.kernels import StoreTarget, paged_attention
+def test_a_write_over_rows_writes_the_launchs_rows_a_slot_each():
+    """Over contiguous rows `write` writes the launch's own rows: other rows, or a slot mapping
+    that is not one slot a row, are refused."""
+    from pagedattn.kernels import KVWrite, paged_attention
 
     q = torch.zeros(4, 2, 128, dtype=torch.bfloat16, device=DEVICE)
-    pages = torch.zeros(2, 16, 1, 128, dtype=torch.bfloat16, device=DEVICE)
+    pages = torch.zeros(2, 1, 16, 1, 128, dtype=torch.bfloat16, device=DEVICE)  # K and V: one block of 16
     one = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="store without kv_start_loc"):
-        paged_attention(q, pages, pages, torch.empty_like(q), query_start_loc=one,
-                        seq_lens=torch.tensor([4], dtype=torch.int32, device=DEVICE),
-                        block_tables=torch.zeros(1, 1, dtype=torch.int32, device=DEVICE), max_query_len=4,
-                        max_seq_len=4, scale=1.0, store=StoreTarget(pages, pages, torch.zeros(4, dtype=torch.int64,
-                                                                                              device=DEVICE)))
     rows = torch.zeros(4, 1, 128, dtype=torch.bfloat16, device=DEVICE)
-    with pytest.raises(ValueError, match="slot_mapping.shape"):
+
+    def launch(write):
         paged_attention(q, rows, rows, torch.empty_like(q), query_start_loc=one,
                         seq_lens=torch.tensor([4], dtype=torch.int32, device=DEVICE), block_tables=None,
-                        max_query_len=4, max_seq_len=4, scale=1.0, kv_start_loc=one,
-                        store=StoreTarget(pages, pages, torch.zeros(3, dtype=torch.int64, device=DEVICE)))
+                        max_query_len=4, max_seq_len=4, scale=1.0, kv_start_loc=one, write=write)
+
+    with pytest.raises(ValueError, match="write.key/value"):
+        launch(KVWrite(rows.clone(), rows, pages[0], pages[1], torch.zeros(4, dtype=torch.int64, device=DEVICE)))
+    with pytest.raises(ValueError, match="slot_mapping.shape"):
+        launch(KVWrite(rows, rows, pages[0], pages[1], torch.zeros(3, dtype=torch.int64, device=DEVICE)))

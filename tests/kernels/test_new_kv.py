@@ -1,7 +1,7 @@
-"""paged_attention's `new_kv`: a launch that writes the step's new rows into the cache itself.
+"""paged_attention's `write` over pages: a launch that writes the step's new rows into the cache itself.
 
 Each case builds the pool WITHOUT the step's rows (garbage there), then compares one
-`paged_attention(new_kv=...)` call against `store_kv` followed by a plain launch: the same pool
+`paged_attention(write=...)` call against `store_kv` followed by a plain launch: the same pool
 bytes afterwards, the same output, and the oracle's output.
 """
 
@@ -16,7 +16,7 @@ from oracle import rel_l2  # noqa: E402
 from paged_batch import make_paged_batch  # noqa: E402
 from paged_kernel import POOL_LAYOUT, attend, kernel_args, oracle_options  # noqa: E402
 
-from pagedattn.kernels import NewKV, SplitKVWorkspace, store_kv  # noqa: E402
+from pagedattn.kernels import KVWrite, SplitKVWorkspace, store_kv  # noqa: E402
 from pagedattn.kernels.store_kv import launch_store_kv  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -53,12 +53,12 @@ def compare(batch, fused=True, **options):
     args = kernel_args(batch)
     scales = scales_of(batch)
     pool = batch.kv_cache.clone()
-    new = NewKV(batch.key, batch.value, slots_of(batch))
+    new = KVWrite(batch.key, batch.value, args.k_cache, args.v_cache, slots_of(batch))
     launcher = sys.modules["pagedattn.kernels.paged_attention"]
     stores = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(launcher, "launch_store_kv", lambda *a: stores.append(a) or launch_store_kv(*a))
-        out, lse = attend(args, scale=0.3, new_kv=new, **scales, **options)
+        out, lse = attend(args, scale=0.3, write=new, **scales, **options)
     assert len(stores) == (0 if fused else 1)
     fused_pool = batch.kv_cache.clone()
     batch.kv_cache.copy_(pool)
@@ -118,7 +118,7 @@ def test_padding_rows_with_slot_minus_one_write_nothing():
     stored = batch.kv_cache.clone()
     batch.kv_cache.copy_(pool)
     args.query = query
-    attend(args, scale=0.3, new_kv=NewKV(key, value, slots_of(batch, pad)))
+    attend(args, scale=0.3, write=KVWrite(key, value, args.k_cache, args.v_cache, slots_of(batch, pad)))
     assert torch.equal(batch.kv_cache, stored)
 
 
@@ -126,9 +126,12 @@ def test_refused_with_the_reason():
     batch = batch_of(DECODES["many_decodes"])
     args = kernel_args(batch)
     slots = slots_of(batch)
-    with pytest.raises(ValueError, match="new_kv.key.shape"):
-        attend(args, scale=0.3, new_kv=NewKV(batch.key[1:], batch.value[1:], slots[1:]))
+    pages = args.k_cache, args.v_cache
+    with pytest.raises(ValueError, match="write.key.shape"):
+        attend(args, scale=0.3, write=KVWrite(batch.key[1:], batch.value[1:], *pages, slots[1:]))
     with pytest.raises(ValueError, match="slot_mapping"):
-        attend(args, scale=0.3, new_kv=NewKV(batch.key, batch.value, slots.int()))
+        attend(args, scale=0.3, write=KVWrite(batch.key, batch.value, *pages, slots.int()))
     with pytest.raises(ValueError, match="causal"):
-        attend(args, scale=0.3, causal=False, new_kv=NewKV(batch.key, batch.value, slots))
+        attend(args, scale=0.3, causal=False, write=KVWrite(batch.key, batch.value, *pages, slots))
+    with pytest.raises(ValueError, match="the launch's k_cache"):  # a paged launch writes where it reads
+        attend(args, scale=0.3, write=KVWrite(batch.key, batch.value, args.k_cache.clone(), args.v_cache, slots))

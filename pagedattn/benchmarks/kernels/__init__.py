@@ -7,7 +7,7 @@ Per case (cases.py: decode, short (decode at an engine's short contexts), long, 
 mixed, graph grids), in one process on one set of tensors (shuffled pages, bf16 queries, bf16 or
 FP8 e4m3 KV), rows for:
 - every available registered backend through the contract (`impl.forward`, store included);
-- `raw`: our kernels called directly (one `paged_attention` launch, storing through `new_kv`); with
+- `raw`: our kernels called directly (one `paged_attention` launch, storing through its `write`); with
   `--splits`, also `raw-s<N>`: the same with the split-KV count forced to N, and with `--tiles`
   `raw-[m<M>]n<K>w<W>s<S>`: with M query rows, K keys per step, W warps and S pipeline stages
   (to tune the policies);

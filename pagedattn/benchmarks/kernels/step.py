@@ -19,7 +19,7 @@ class Step:
 
     calls: calls[i]() runs the whole step (store included where `store` says so) on input set i.
     output: returns set 0's output as [T, Hq, D] (valid after calls[0]() ran).
-    store: how the step's K/V reach the cache ("new_kv": `paged_attention`'s, "store_kv",
+    store: how the step's K/V reach the cache ("write": `paged_attention`'s, "store_kv",
         "append_paged_kv_cache", "impl.forward", or "-" when nothing is stored).
     eager_only: the step cannot be captured in a CUDA graph (it is timed eagerly, said in the row).
     keep: objects that must outlive the timing (plans, graph states, dense copies).
