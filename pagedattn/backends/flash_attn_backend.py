@@ -137,11 +137,7 @@ class FlashAttnImpl(AttentionImpl):
             raise NotImplementedError(f"{e}; its provider here is {provider.label}: {provider.limits} "
                                       f"(pin {providers.ENV_VAR}=ours to run it on our kernels)") from None
 
-    def _store(self, k, v, k_cache, v_cache, slots, scales, md, cross) -> None:
-        from pagedattn.kernels import store_kv
-
-        ks, vs = (scales.k, scales.v) if scales is not None else (1.0, 1.0)
-        store_kv(k, v, k_cache, v_cache, slots, ks, vs)
+    _store = triton_backend.TritonImpl._store  # our store kernel, whichever provider attends
 
     def _options(self, causal: bool, scales, device) -> dict:
         window = (-1, -1) if self.sliding_window is None else (self.sliding_window - 1, 0)
