@@ -178,5 +178,5 @@ def _validation_error(errors: list[dict], *, in_body: bool) -> APIError:
         return loc[1:] if in_body and loc[:1] == ["body"] else loc
 
     message = "; ".join(f"{'.'.join(where(err)) or 'body'}: {err['msg']}" for err in errors) or "invalid request"
-    first = where(errors[0]) if errors else []
+    first = where(errors[0]) if errors and errors[0].get("type") != "json_invalid" else []
     return APIError(400, message, param=first[0] if first else None)
