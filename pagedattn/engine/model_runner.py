@@ -301,9 +301,10 @@ class ModelRunner:
         if flat:
             index = [j for j, i in enumerate(sampled) for _ in rows[i]]  # logits row of each draw
             batch = SamplingBatch.build(flat, self.spec.vocab_size, self.device)
-            if index != list(range(logits.shape[0])):  # beams draw several rows from one
-                logits = logits.index_select(0, self._device_ints(index))
-            tokens, logprobs = self.sampler.sample(logits, batch)
+            draw_logits = logits  # beams draw no row and forks several from one: keep `logits` for beams
+            if index != list(range(logits.shape[0])):
+                draw_logits = logits.index_select(0, self._device_ints(index))
+            tokens, logprobs = self.sampler.sample(draw_logits, batch)
         beams = [(j, i) for j, i in enumerate(sampled) if chunks[i].group.is_beam]
         beam_logprobs = {}
         if beams:
