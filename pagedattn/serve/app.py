@@ -126,8 +126,10 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
     @app.post("/v1/completions", dependencies=[Depends(check_key)])
     async def completions(body: CompletionRequest, request: Request):
         serving.check_model(body.model)
-        prompts = [serving.encode(p) if isinstance(p, str) else serving.check_token_ids(p) for p in body.prompts()]
-        return await serving.complete(request, body, prompts, body.max_tokens)
+        given = body.prompts()
+        prompts = [serving.encode(p) if isinstance(p, str) else serving.check_token_ids(p) for p in given]
+        echo = [p if isinstance(p, str) else serving.decode(p, param="prompt") for p in given] if body.echo else None
+        return await serving.complete(request, body, prompts, body.max_tokens, echo=echo)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -155,10 +157,7 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
     async def detokenize(body: DetokenizeRequest):
         serving.check_model(body.model)
         serving.warn_ignored(body)
-        ids = serving.check_token_ids(body.tokens, param="tokens")
-        if serving.tokenizer is None:
-            raise APIError(400, f"expected a model with a tokenizer, got {model_name} which has none", param="tokens")
-        return {"prompt": serving.tokenizer.decode(ids)}
+        return {"prompt": serving.decode(serving.check_token_ids(body.tokens, param="tokens"))}
 
     return app
 

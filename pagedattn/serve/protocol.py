@@ -4,6 +4,7 @@ As vLLM does, a field this server does not know is accepted and ignored (`ignore
 them; the server logs each name once), so clients written for OpenAI or vLLM keep working. A
 known option the engine cannot honour is refused, never answered as if applied: the ones that
 need guided decoding in one place (`refuse_unsupported`), the others where they are declared.
+Sampling options keep vLLM's names and map to `SamplingParams` (`serving.Serving`).
 `top_k`, `ignore_eos`, `add_generation_prompt`, `continue_final_message` and
 `chat_template_kwargs` are vLLM's extensions.
 """
@@ -13,6 +14,10 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+MAX_LOGPROBS = 20
+"""The most log-probabilities per position a request may ask (vLLM's default `max_logprobs`)."""
 
 
 class APIError(Exception):
@@ -81,6 +86,7 @@ class _SamplingRequest(OpenAIModel):
     min_tokens: int = Field(0, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
     stop_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = Field(None, ge=-1, le=MAX_LOGPROBS)  # vLLM's; -1: the whole vocabulary
     response_format: ResponseFormat | None = None
     # vLLM's guided decoding: refused until it is implemented (`refuse_unsupported`)
     guided_json: Any = None
@@ -118,9 +124,9 @@ def refuse_unsupported(body: _SamplingRequest) -> None:
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions; None: what the context leaves
+    max_tokens: int | None = Field(16, ge=0)  # OpenAI's default; None: what the context leaves; 0: echo alone
     best_of: int | None = Field(None, ge=1)
-    logprobs: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
     suffix: str | None = None
 
@@ -225,7 +231,7 @@ class ChatCompletionRequest(_SamplingRequest, ChatTemplateOptions):
     max_tokens: int | None = Field(None, ge=1)  # None: what the context leaves after the prompt
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True
 

@@ -29,7 +29,7 @@ from pagedattn.serve.protocol import (
     ignored_fields,
     refuse_unsupported,
 )
-from pagedattn.serve.responses import Reply
+from pagedattn.serve.responses import Reply, ReplyShape
 
 logger = logging.getLogger(__name__)
 
@@ -82,11 +82,19 @@ class Serving:
             raise APIError(400, f"expected token ids, got text: {self.model_name} has no tokenizer", param=param)
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
+    def decode(self, ids: list[int], *, param: str = "tokens") -> str:
+        if self.tokenizer is None:
+            raise APIError(400, f"expected a model with a tokenizer, got {self.model_name} which has none", param=param)
+        return self.tokenizer.decode(ids)
+
     def check_token_ids(self, ids: list[int], *, param: str = "prompt") -> list[int]:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise APIError(400, f"expected token ids in [0, {self.vocab_size}), got {bad[:5]}", param=param)
         return ids
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
 
     # ------------------------------------------------------------------ limits
 
@@ -113,22 +121,31 @@ class Serving:
         return max_tokens
 
     def _sampling_params(self, body, max_tokens: int) -> SamplingParams:
-        _refuse_unapplied(body)
+        """The engine's options for `body` (a prompt of it that may generate `max_tokens`)."""
+        logprobs, prompt_logprobs = _logprobs(body)
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 n=body.num_choices, best_of=getattr(body, "best_of", None),
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k is None else body.top_k,
+                temperature=_or(body.temperature, 1.0), top_p=_or(body.top_p, 1.0), top_k=_or(body.top_k, -1),
                 max_tokens=max_tokens, seed=body.seed, stop=body.stop, ignore_eos=body.ignore_eos,
+                presence_penalty=_or(body.presence_penalty, 0.0), frequency_penalty=_or(body.frequency_penalty, 0.0),
+                repetition_penalty=_or(body.repetition_penalty, 1.0), min_p=_or(body.min_p, 0.0),
+                min_tokens=body.min_tokens, stop_token_ids=body.stop_token_ids, logit_bias=body.logit_bias,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             )
         except ValueError as e:
-            raise APIError(400, str(e)) from None
+            raise APIError(400, str(e), param=_named_param(str(e))) from None
+        error = params.vocab_error(self.vocab_size)
+        if error is not None:
+            raise APIError(400, error, param=_named_param(error))
+        return params
 
     # ------------------------------------------------------------------ serving
 
     async def complete(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
-                       prompts: list[list[int]], max_tokens: int | None):
-        """Answer `body` (its model already checked) for `prompts` (token ids, one per prompt)."""
+                       prompts: list[list[int]], max_tokens: int | None, *, echo: list[str] | None = None):
+        """Answer `body` (its model already checked) for `prompts` (token ids, one per prompt);
+        `echo`: each prompt's text, when the answer starts with it."""
         chat = isinstance(body, ChatCompletionRequest)
         refuse_unsupported(body)
         self.warn_ignored(body)
@@ -136,7 +153,13 @@ class Serving:
         best_of = getattr(body, "best_of", None)
         if body.stream and best_of is not None and best_of > n:
             raise APIError(400, f"expected best_of <= n with stream, got best_of={best_of}, n={n}", param="best_of")
-        params = [self._sampling_params(body, self._max_tokens(len(p), max_tokens, chat)) for p in prompts]
+        generate = max_tokens != 0
+        if not generate and echo is None:
+            raise APIError(400, "expected max_tokens >= 1, or 0 with echo (the prompt alone), got 0",
+                           param="max_tokens")
+        # max_tokens=0 with echo: the prompt's log-probabilities need a step; its token is not answered
+        params = [self._sampling_params(body, self._max_tokens(len(p), max_tokens if generate else 1, chat))
+                  for p in prompts]
         if self.engine.dead is not None:
             raise APIError(503, f"expected a running engine, got: {self.engine.dead}", type="server_error")
         waiting = self.engine.num_waiting
@@ -147,8 +170,13 @@ class Serving:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         requests = [EngineRequest(f"{request_id}-{p}", ids, sp) for p, (ids, sp) in enumerate(zip(prompts, params))]
         tools = chat and body.parses_tool_calls
-        reply = Reply(request_id, self.model_name, chat=chat, prompt_lens=[len(p) for p in prompts], n=n,
-                      tools=tools, parallel_tool_calls=not tools or body.parallel_tool_calls is not False)
+        shape = ReplyShape(
+            chat=chat, n=n, prompts=prompts, tools=tools,
+            parallel_tool_calls=not tools or body.parallel_tool_calls is not False,
+            logprobs=params[0].logprobs, echo=echo, generate=generate,
+            prompt_logprobs=body.prompt_logprobs is not None,
+        )
+        reply = Reply(request_id, self.model_name, shape, self._decode_token)
         outputs = self.engine.generate(requests)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
@@ -162,16 +190,32 @@ class Serving:
         return reply.whole(outs)
 
 
-def _refuse_unapplied(body) -> None:
-    """Refuse sampling options the engine does not apply yet, unless they have their neutral value."""
-    neutral = dict(presence_penalty=0, frequency_penalty=0, repetition_penalty=1, logit_bias={}, min_tokens=0,
-                   min_p=0, stop_token_ids=[], top_logprobs=0, logprobs=False, echo=False)
-    for name, default in neutral.items():
-        value = getattr(body, name, None)
-        is_neutral = value is None or (value is default if isinstance(default, bool) else value == default)
-        if not is_neutral:
-            raise APIError(400, f"expected {name} to be {default!r} ({name} is not supported yet), got {value!r}",
-                           param=name)
+def _or(value, default):
+    return default if value is None else value
+
+
+def _logprobs(body) -> tuple[int | None, int | None]:
+    """The engine's `logprobs` and `prompt_logprobs` for `body`, as vLLM maps them: chat's
+    `top_logprobs` (0 with `logprobs` alone); completions' `logprobs`, also for the prompt with `echo`."""
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs and not body.logprobs:
+            raise APIError(400, f"expected logprobs true with top_logprobs, got top_logprobs={body.top_logprobs} "
+                           "alone", param="logprobs")
+        return (_or(body.top_logprobs, 0) if body.logprobs else None), body.prompt_logprobs
+    prompt_logprobs = body.prompt_logprobs
+    if prompt_logprobs is None and body.echo and body.logprobs is not None:
+        prompt_logprobs = body.logprobs
+    return body.logprobs, prompt_logprobs
+
+
+def _named_param(message: str) -> str | None:
+    """The option an engine message ("expected -2 <= presence_penalty <= 2, ...") is about."""
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
+                 "stop_token_ids", "logit_bias", "prompt_logprobs", "logprobs", "best_of", "top_k", "top_p",
+                 "temperature", "seed", "stop", "n"):
+        if f" {name} " in f" {message.replace(',', ' ').replace('=', ' ')} ":
+            return name
+    return None
 
 
 async def _last_outputs(request: Request, outputs: AsyncIterator[RequestOutput]) -> dict[str, RequestOutput]:
