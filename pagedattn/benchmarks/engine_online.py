@@ -56,7 +56,7 @@ def run_online(engine, model_name: str, requests: list[Request], *, rate: float,
     from pagedattn.serve.metrics import ServerMetrics
 
     app = build_app(AsyncEngine(engine, ServerMetrics(model_name)), model_name,
-                    limits=ServeLimits(max_concurrent=len(requests) + 1))
+                    limits=ServeLimits(max_waiting=len(requests)))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, name="pagedattn-bench-server", daemon=True)
     thread.start()

@@ -10,7 +10,7 @@ the current one's results are read (`Scheduler.schedule_next_decodes`).
 """
 
 from pagedattn.engine.config import EngineConfig
-from pagedattn.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedattn.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedattn.engine.sampling_params import SamplingParams
 
-__all__ = ["CompletionOutput", "EngineConfig", "RequestMetrics", "RequestOutput", "SamplingParams"]
+__all__ = ["CompletionOutput", "EngineConfig", "Logprob", "RequestMetrics", "RequestOutput", "SamplingParams"]

@@ -145,9 +145,10 @@ class BlockManager:
         The last token is always left to compute (its logits are needed), so a prompt made of
         whole cached blocks reuses all but its last block. An encoder-decoder sequence leaves
         two: its next step must be a prefill, the step that runs the encoder and writes its
-        cross blocks.
+        cross blocks. A sequence that does not read the cache (`reads_prefix_cache`: its prompt
+        logprobs need every position) gets none; its blocks are still registered for others.
         """
-        if not self.enable_prefix_caching or seq.num_computed_tokens or seq.block_table:
+        if not self.enable_prefix_caching or not seq.reads_prefix_cache or seq.num_computed_tokens or seq.block_table:
             return []
         hits = []
         keep = 2 if seq.encoder_len else 1

@@ -1,8 +1,10 @@
 """Before a request is queued: its prompt as token ids, checked, and its `SequenceGroup`.
 
-A request's `max_tokens` is clamped to what the context leaves after its prompt (at least
-one token). A request that can never run (an empty prompt, ids that are not ints or not in the
-vocabulary, a prompt longer than the context, more sequences than a step holds) is not
+A request's `max_tokens` (and `min_tokens` under it) is clamped to what the context leaves
+after its prompt (at least one token). A request that can never run (an empty prompt, ids that
+are not ints or not in the vocabulary, options naming tokens outside it or more logprobs than
+it has (`SamplingParams.vocab_error`), a prompt longer than the context, more sequences than a
+step holds) is not
 raised: it becomes a group finished with finish_reason "error", so the others go on.
 
 Encoder-decoder models take `{"encoder_prompt": p, "decoder_prompt": q}` (as vLLM does; the
@@ -92,7 +94,8 @@ class InputProcessor:
         if error is None and len(token_ids) + params.max_tokens > self.max_model_len:
             # The context bounds the completion: a request asks no more than it can get, so the
             # pool (which holds one request of the whole context) never runs out under it alone.
-            params = dataclasses.replace(params, max_tokens=max(1, self.max_model_len - len(token_ids)))
+            max_tokens = max(1, self.max_model_len - len(token_ids))
+            params = dataclasses.replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
         seq = Sequence(next(self.seq_ids), token_ids, self.block_size, tuple(encoder_ids or ()), features)
         if error is None and seq.encoder_len:
             error = self._check_step_budget(seq.encoder_len + len(token_ids))
@@ -166,7 +169,7 @@ class InputProcessor:
             return f"expected token ids in [0, {self.vocab_size}), got {bad[:5]}"
         if params.width > self.max_num_seqs:
             return f"expected n/best_of <= max_num_seqs ({self.max_num_seqs}), got {params.width}"
-        return None
+        return params.vocab_error(self.vocab_size)
 
     def _encoder_tokens(self, prompt) -> tuple[str | None, list[int], str | None]:
         """(text or None, token ids, error) of a text encoder's prompt."""

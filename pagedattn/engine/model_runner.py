@@ -5,9 +5,12 @@ The KV pool is allocated once: sized from free memory after a profiling run on C
 On the CPU the model's float32 linears are swapped, in place, for oneDNN-prepacked ones.
 Decode-only steps on CUDA replay graphs of the model and its output head (`DecodeGraphs`).
 `launch` queues a step and returns a `LaunchedStep`, whose `results()` are what it sampled
-(`StepResult`): tokens and log-probabilities, and the full log-probabilities of beam-search
-rows, which the beam step scores itself. A step launched `after` another reads its input
-tokens from that one's draws on the device (async scheduling).
+(`StepResult`): tokens and log-probabilities (with the top-k of rows that ask), the full
+log-probabilities of beam-search rows, which the beam step scores itself, and the prompt
+log-probabilities of requests that ask (`SamplingParams.prompt_logprobs`): those positions'
+hidden states go through the output head too, only for those requests. A step launched
+`after` another reads its input tokens from that one's draws on the device (async
+scheduling); the sampler then counts each row's last token (penalties, min_tokens) from there.
 
 Encoder-decoder models (`spec.num_cross_layers > 0`) have a cross pool too: one cache tensor
 per cross-attention layer, with as many blocks as the decoder pool (a request's encoder
@@ -24,7 +27,6 @@ import itertools
 import logging
 import math
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -34,6 +36,8 @@ from pagedattn.attention.types import ScheduledSeq
 from pagedattn.dtypes import kv_cache_dtype
 from pagedattn.engine.config import EngineConfig
 from pagedattn.engine.decode_graphs import DecodeGraphs
+from pagedattn.engine.launched_step import LaunchedStep
+from pagedattn.engine.logprobs import PromptPlan, TopLogprobs, num_logprobs
 from pagedattn.engine.sampler import Sampler, SamplingBatch
 from pagedattn.engine.sampling_params import SamplingParams
 from pagedattn.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -51,65 +55,6 @@ _MAX_SWAP_POOL_RATIO = 4  # the CPU swap pool never exceeds this many times the 
 # graph adds its own executable state: kept free beside the KV pool with this much room.
 _GRAPH_POOL_MARGIN = 1.1
 _GRAPH_BYTES_EACH = 2 << 20
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one model step sampled, indexed like `SchedulerOutput.chunks`.
-
-    tokens[i], logprobs[i]: chunk i's draws, one per entry of `chunk.sampling_rows()` (empty
-    for a chunk that is not sampled, and for beams); log-probabilities are the model's, before
-    temperature, top-k and top-p.
-    beam_logprobs: chunk index -> float32 [vocab] log-softmax of a sampled beam chunk's next token.
-    """
-
-    tokens: list[list[int]]
-    logprobs: list[list[float]]
-    beam_logprobs: dict[int, torch.Tensor]
-
-
-class LaunchedStep:
-    """A step whose kernels are queued; `results()` waits for its draws and reads them.
-
-    tokens: int64 [R] on the device, the step's draws, which the engine may carry into the
-    inputs of a step launched before this one is read; row_of: id(sequence) -> its row in
-    `tokens`, for the chunks that draw one token. On CUDA the draws go to pinned host memory
-    right behind the sampler, so `results()` waits for this step only, not for steps queued
-    after it.
-    """
-
-    def __init__(self, *, results: list[StepResult] | None = None, bounds: list[int] | None = None,
-                 tokens: torch.Tensor | None = None, logprobs: torch.Tensor | None = None,
-                 beam_logprobs: dict[int, torch.Tensor] | None = None, row_of: dict[int, int] | None = None):
-        self._results = results
-        self._bounds = bounds or [0]  # chunk i's draws are rows bounds[i]..bounds[i+1]
-        self._beam_logprobs = beam_logprobs or {}
-        self.tokens = tokens
-        self.row_of = row_of or {}
-        self._host = self._event = None
-        if tokens is not None and tokens.numel():
-            pair = torch.stack([tokens.double(), logprobs.double()])  # token ids are exact in float64
-            if pair.is_cuda:
-                self._host = torch.empty(pair.shape, dtype=pair.dtype, pin_memory=True)
-                self._host.copy_(pair, non_blocking=True)
-                self._event = torch.cuda.Event()
-                self._event.record()
-            else:
-                self._host = pair
-
-    def results(self) -> list[StepResult]:
-        """One `StepResult` per model step (`out.num_steps` of them; none when no chunk ran)."""
-        if self._results is None:
-            if self._event is not None:
-                self._event.synchronize()
-            tokens, logprobs = [], []
-            if self._host is not None:
-                tokens, logprobs = [int(t) for t in self._host[0].tolist()], self._host[1].tolist()
-            spans = list(zip(self._bounds, self._bounds[1:]))
-            self._results = [StepResult(tokens=[tokens[a:b] for a, b in spans],
-                                        logprobs=[logprobs[a:b] for a, b in spans],
-                                        beam_logprobs=self._beam_logprobs)]
-        return self._results
 
 
 class ModelRunner:
@@ -135,6 +80,7 @@ class ModelRunner:
         self.cache_dtype = kv_cache_dtype(config.kv_cache_dtype, self.spec.dtype)
         self.default_generator = torch.Generator(device=device).manual_seed(config.seed)
         self.sampler = Sampler(self.default_generator)
+        self.eos_token_ids = frozenset(self.spec.eos_token_ids)  # masked under min_tokens
         self.use_graphs = device.type == "cuda" and not config.enforce_eager and not self.spec.num_cross_layers
         self._graph_reserve = 0  # bytes kept free for the decode graphs (`_decode_graph_bytes`) when profiled
 
@@ -323,31 +269,42 @@ class ModelRunner:
         if not out.chunks:
             return LaunchedStep(results=[])
         if out.num_steps > 1:
-            return LaunchedStep(results=self._execute_multistep(out))
+            return self._execute_multistep(out)
         ids, pos, sample_idx, seqs = self._prepare(out.chunks, after)
         encoder = self._prepare_encoder(out.chunks)
+        prompt = self._prompt_plan(out.chunks)
         every_row_sampled = all(c.sample for c in out.chunks)
-        pad_to = self._graph_size(len(seqs)) if out.is_decode_only and every_row_sampled else None
+        graphed = out.is_decode_only and every_row_sampled and prompt is None
+        pad_to = self._graph_size(len(seqs)) if graphed else None
         md = self.builder.build(seqs, cuda_graph_pad_to=pad_to)
         if pad_to is None:
             hidden = self._run(md, ids, pos, encoder)
             logits = self.model.compute_logits(hidden.index_select(0, sample_idx))  # [sampled chunks, V]
+            if prompt is not None:
+                prompt.top = self._prompt_logprobs(hidden, prompt)
         else:
             logits = self.graphs.logits(md, ids, pos)[: len(seqs)]
-        return self._sample(out.chunks, logits)
+        # async: each chunk's input token is its sequence's last, still on the device only
+        return self._sample(out.chunks, logits, pending=ids if after is not None else None, prompt=prompt)
 
-    def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> LaunchedStep:
-        """logits: float32 [S, V], row j for the j-th chunk that is sampled."""
+    def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor, pending: torch.Tensor | None = None,
+                prompt: PromptPlan | None = None) -> LaunchedStep:
+        """logits: float32 [S, V], row j for the j-th chunk that is sampled. pending: int64
+        [len(chunks)], each chunk's last token where the host lacks it (one draw per chunk)."""
         sampled = [i for i, c in enumerate(chunks) if c.sample]  # chunk of each logits row
         rows = [c.sampling_rows() for c in chunks]
         flat = [r for chunk_rows in rows for r in chunk_rows]
-        tokens = logprobs = None
+        draws, batch = [], None
         if flat:
             index = [j for j, i in enumerate(sampled) for _ in rows[i]]  # logits row of each draw
-            batch = SamplingBatch.build(flat, self.spec.vocab_size, self.device)
-            if index != list(range(logits.shape[0])):  # beams draw several rows from one
-                logits = logits.index_select(0, self._device_ints(index))
-            tokens, logprobs = self.sampler.sample(logits, batch)
+            assert pending is None or len(flat) == len(chunks), "carried steps draw one token per chunk"
+            row_seqs = [chunks[i].seq for i in sampled for _ in rows[i]]
+            batch = SamplingBatch.build(flat, self.spec.vocab_size, self.device, seqs=row_seqs, pending=pending,
+                                        eos_token_ids=self.eos_token_ids)
+            draw_logits = logits  # beams draw no row and forks several from one: keep `logits` for beams
+            if index != list(range(logits.shape[0])):
+                draw_logits = logits.index_select(0, self._device_ints(index))
+            draws = [self.sampler.sample(draw_logits, batch)]
         beams = [(j, i) for j, i in enumerate(sampled) if chunks[i].group.is_beam]
         beam_logprobs = {}
         if beams:
@@ -355,8 +312,44 @@ class ModelRunner:
             beam_logprobs = {i: row for (_, i), row in zip(beams, full)}
         bounds = [0, *itertools.accumulate(len(r) for r in rows)]
         row_of = {id(c.seq): bounds[i] for i, c in enumerate(chunks) if len(rows[i]) == 1}
-        return LaunchedStep(bounds=bounds, tokens=tokens, logprobs=logprobs, beam_logprobs=beam_logprobs,
-                            row_of=row_of)
+        return LaunchedStep(draws=draws, batch=batch, bounds=bounds, beam_logprobs=beam_logprobs, row_of=row_of,
+                            prompt=prompt)
+
+    def _prompt_plan(self, chunks: list[ScheduledChunk]) -> PromptPlan | None:
+        """The step's positions that predict a prompt token whose log-probabilities are asked for
+        and not yet recorded (a recomputed prompt's were), or None. Position p predicts token
+        p + 1: those of tokens 1..P-1 of a P-token prompt."""
+        positions: list[int] = []
+        targets: list[int] = []
+        spans: dict[int, tuple[int, int, int]] = {}
+        offset = 0  # the chunk's first query token in the step
+        for i, c in enumerate(chunks):
+            start, end = c.scheduled.context_len, c.scheduled.seq_len
+            recorded = c.group.prompt_logprobs
+            if recorded is not None:
+                first, last = max(start, len(recorded) - 1), min(end, c.seq.num_prompt_tokens - 1)
+                if first < last:
+                    # such requests read no prefix cache, so their chunks leave no position out
+                    assert start <= len(recorded) - 1, (start, len(recorded), c.seq)
+                    spans[i] = (len(targets), len(targets) + last - first,
+                                num_logprobs(c.group.params.prompt_logprobs, self.spec.vocab_size))
+                    positions += range(offset + first - start, offset + last - start)
+                    targets += c.seq.token_ids[first + 1 : last + 1]
+            offset += end - start
+        return PromptPlan(positions, targets, spans) if spans else None
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, plan: PromptPlan) -> TopLogprobs:
+        """The plan's positions through the output head, `max_num_seqs` rows at a time (the rows
+        the memory profile ran the head and the sampler on): hidden [T, H]."""
+        flat = self._device_ints(plan.positions + plan.targets)
+        n = len(plan.positions)
+        positions, targets = flat[:n], flat[n:]
+        k = max(k for _, _, k in plan.spans.values())
+        parts = []
+        for a in range(0, n, self.max_num_seqs):
+            logits = self.model.compute_logits(hidden.index_select(0, positions[a : a + self.max_num_seqs]))
+            parts.append(TopLogprobs.of(logits, targets[a : a + self.max_num_seqs], k))
+        return TopLogprobs.cat(parts)
 
     def _device_ints(self, rows: list) -> torch.Tensor:
         """rows as an int64 tensor on the device, without waiting for the device: a pinned,
@@ -366,12 +359,13 @@ class ModelRunner:
             return flat.pin_memory().to(self.device, non_blocking=True)
         return flat.to(self.device)
 
-    def _execute_multistep(self, out: SchedulerOutput) -> list[StepResult]:
+    def _execute_multistep(self, out: SchedulerOutput) -> LaunchedStep:
         """`out.num_steps` decode steps of a decode-only batch, sampling on the device and
-        advancing the metadata in place between them; one host copy of the tokens at the end."""
+        advancing the metadata (and the batch's token counts) in place between them."""
         rows = [r for c in out.chunks for r in c.sampling_rows()]
         assert len(rows) == len(out.chunks), "multi-step batches are plain decodes: one sample per chunk"
-        batch = SamplingBatch.build(rows, self.spec.vocab_size, self.device)
+        batch = SamplingBatch.build(rows, self.spec.vocab_size, self.device, seqs=[c.seq for c in out.chunks],
+                                    eos_token_ids=self.eos_token_ids)
         ids, pos, _, seqs = self._prepare(out.chunks)
         n = len(seqs)
         pad_to = self._graph_size(n)
@@ -379,21 +373,17 @@ class ModelRunner:
             ids = torch.cat([ids, ids.new_zeros(pad_to - n)])
             pos = torch.cat([pos, pos.new_zeros(pad_to - n)])
         md = self.builder.build(seqs, cuda_graph_pad_to=pad_to)
-        tokens, logprobs = [], []
+        draws = []
         for step in range(out.num_steps):
             if step:
-                md.advance_step(ids, pos, tokens[-1].unsqueeze(1), self.block_size, md.num_seqs, n)
+                md.advance_step(ids, pos, draws[-1].tokens.unsqueeze(1), self.block_size, md.num_seqs, n)
+                batch.advance(draws[-1].tokens)
             if pad_to is None:
                 logits = self.model.compute_logits(self._run(md, ids, pos)[:n])
             else:
                 logits = self.graphs.logits(md, ids, pos)[:n]
-            t, lp = self.sampler.sample(logits, batch)
-            tokens.append(t)
-            logprobs.append(lp)
-        all_tokens, all_logprobs = torch.stack(tokens).tolist(), torch.stack(logprobs).tolist()  # [steps, B]
-        return [
-            StepResult([[x] for x in t], [[x] for x in lp], {}) for t, lp in zip(all_tokens, all_logprobs)
-        ]
+            draws.append(self.sampler.sample(logits, batch))
+        return LaunchedStep(draws=draws, batch=batch, bounds=list(range(n + 1)))
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
         # Order matters: swapped-out blocks may be reused by swap-ins and copies of this step.

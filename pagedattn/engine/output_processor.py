@@ -4,7 +4,10 @@ For every scheduled chunk the cache now holds its tokens (`BlockManager.mark_com
 sampled chunk gets its token; the first sample of a request with `best_of`/`n` > 1 forks the
 prompt's sequence into one per completion (blocks shared, copied on write); a beam group takes
 one beam-search step over its beams' log-probabilities. A sequence finishes on a stop string,
-EOS (unless `ignore_eos`), `max_tokens` or the model's context, and its blocks are freed.
+EOS (unless `ignore_eos`) or a stop token id, `max_tokens` or the model's context, and its
+blocks are freed. As vLLM V1: stops count only after `min_tokens` generated tokens, and a token
+that stops by its id (EOS, `stop_token_ids`) stays in `token_ids` but not in the text. The
+log-probabilities a request asks for become `{token id: Logprob}` dicts here (decoded tokens).
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import torch
 
 from pagedattn.engine.beam_search import beam_step
 from pagedattn.engine.block_manager import BlockManager
-from pagedattn.engine.model_runner import StepResult
+from pagedattn.engine.launched_step import StepResult
+from pagedattn.engine.logprobs import TokenLogprobs
 from pagedattn.engine.outputs import CompletionOutput, RequestOutput
 from pagedattn.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from pagedattn.engine.sequence import Sequence, SequenceGroup
@@ -44,6 +48,7 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.seq_ids = seq_ids
+        self._token_texts: dict[int, str | None] = {}  # decode([id]) of the tokens in logprobs
 
     def process(self, out: SchedulerOutput, results: list[StepResult]) -> None:
         """Apply the step's results (one per model step, see `ModelRunner.launch`)."""
@@ -54,7 +59,10 @@ class OutputProcessor:
             for i, c in enumerate(out.chunks):
                 if not c.seq.is_finished:
                     self.block_manager.mark_computed(c.seq, c.scheduled.seq_len + k)
-                    self._apply(c, result.tokens[i], result.logprobs[i])
+                    if i in result.prompt_logprobs:
+                        c.group.prompt_logprobs += [t.to_dict(self._token_text) for t in result.prompt_logprobs[i]]
+                    top = result.top_logprobs[i] if result.top_logprobs is not None else None
+                    self._apply(c, result.tokens[i], result.logprobs[i], top)
         beams: dict[int, tuple[SequenceGroup, list[int]]] = {}
         for i in results[0].beam_logprobs:
             beams.setdefault(id(out.chunks[i].group), (out.chunks[i].group, []))[1].append(i)
@@ -62,7 +70,8 @@ class OutputProcessor:
             logprobs = torch.stack([results[0].beam_logprobs[i] for i in idx])
             self._beam_step(group, [out.chunks[i].seq for i in idx], logprobs)
 
-    def _apply(self, c: ScheduledChunk, tokens: list[int], logprobs: list[float]) -> None:
+    def _apply(self, c: ScheduledChunk, tokens: list[int], logprobs: list[float],
+               top: list[TokenLogprobs | None] | None) -> None:
         """Append a chunk's draws: one token, or the `width` first tokens of a forking prompt."""
         if not tokens:
             return
@@ -76,26 +85,34 @@ class OutputProcessor:
                 group.seqs.append(child)
                 targets.append(child)
             group.forked = True
-        for s, t, lp in zip(targets, tokens, logprobs):
-            self._append_token(group, s, t, lp)
+        for j, (s, t, lp) in enumerate(zip(targets, tokens, logprobs)):
+            entry = top[j] if top is not None and top[j] is not None else None
+            self._append_token(group, s, t, lp, entry.to_dict(self._token_text) if entry is not None else None)
         _first_token(group)
 
-    def _append_token(self, group: SequenceGroup, seq: Sequence, token: int, logprob: float) -> None:
-        seq.append_token(token, logprob)
+    def _append_token(self, group: SequenceGroup, seq: Sequence, token: int, logprob: float,
+                      logprobs: dict | None) -> None:
+        seq.append_token(token, logprob, logprobs)
         params = group.params
-        delta = seq.detokenizer.add(token) if seq.detokenizer is not None else ""
-        if delta and params.stop and _truncate_at_stop(seq, delta, params.stop):
-            self.scheduler.finish_seq(seq, "stop")
-            return
-        reason = None
-        if not params.ignore_eos and token in self.eos_token_ids:
-            reason = "stop"
-        elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
-            reason = "length"
-        if reason is not None:
+        may_stop = seq.num_output_tokens > params.min_tokens
+        if may_stop and ((not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids):
+            # Stopped by its id: the token is not detokenized (vLLM's include_stop_str_in_output=False).
             if seq.detokenizer is not None:
                 seq.detokenizer.flush()
-            self.scheduler.finish_seq(seq, reason)
+            seq.stop_reason = None if token in self.eos_token_ids and not params.ignore_eos else token
+            self.scheduler.finish_seq(seq, "stop")
+            return
+        delta = seq.detokenizer.add(token) if seq.detokenizer is not None else ""
+        if delta and params.stop and may_stop:
+            stop = _truncate_at_stop(seq, delta, params.stop)
+            if stop is not None:
+                seq.stop_reason = stop
+                self.scheduler.finish_seq(seq, "stop")
+                return
+        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            if seq.detokenizer is not None:
+                seq.detokenizer.flush()
+            self.scheduler.finish_seq(seq, "length")
 
     def _beam_step(self, group: SequenceGroup, beams: list[Sequence], logprobs: torch.Tensor) -> None:
         """logprobs: float32 [len(beams), V], each beam's next-token log-softmax."""
@@ -159,7 +176,9 @@ class OutputProcessor:
             if group.is_finished and len(seqs) > params.n:
                 seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
             outputs = [
-                CompletionOutput(s.text, s.output_token_ids, s.finish_reason, s.cumulative_logprob) for s in seqs
+                CompletionOutput(s.text, s.output_token_ids, s.finish_reason, s.cumulative_logprob,
+                                 list(s.output_logprobs) if s.output_logprobs is not None else None, s.stop_reason)
+                for s in seqs
             ]
         return RequestOutput(
             request_id=group.request_id,
@@ -171,10 +190,20 @@ class OutputProcessor:
             error=group.error,
             encoder_prompt=group.encoder_prompt,
             encoder_prompt_token_ids=group.encoder_prompt_token_ids,
+            prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None and group.error is None
+            else None,
         )
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def _token_text(self, token: int) -> str | None:
+        """One token's text alone, special tokens kept (vLLM's `Logprob.decoded_token`); None
+        without a tokenizer. Cached: a step may decode the same top tokens for many positions."""
+        text = self._token_texts.get(token)
+        if text is None and self.tokenizer is not None:
+            text = self._token_texts[token] = self.tokenizer.decode([token])
+        return text
 
 
 def _first_token(group: SequenceGroup) -> None:
@@ -182,11 +211,13 @@ def _first_token(group: SequenceGroup) -> None:
         group.metrics.first_token_time = time.perf_counter()
 
 
-def _truncate_at_stop(seq: Sequence, delta: str, stops: list[str]) -> bool:
-    """Cut the text before the first stop string that the new text completes."""
+def _truncate_at_stop(seq: Sequence, delta: str, stops: list[str]) -> str | None:
+    """Cut the text before the first stop string that the new text completes; returns that stop
+    string (None when none is complete)."""
     text = seq.detokenizer.text
-    found = [i for s in stops if (i := text.find(s, max(0, len(text) - len(delta) - len(s) + 1))) >= 0]
+    found = [(i, s) for s in stops if (i := text.find(s, max(0, len(text) - len(delta) - len(s) + 1))) >= 0]
     if not found:
-        return False
-    seq.detokenizer.truncate(min(found))
-    return True
+        return None
+    index, stop = min(found, key=lambda f: f[0])
+    seq.detokenizer.truncate(index)
+    return stop

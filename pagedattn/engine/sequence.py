@@ -72,6 +72,9 @@ class Sequence:
         self.status = SeqStatus.WAITING
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or string that finished it
+        self.output_logprobs: list[dict] | None = None  # per output token, when its request asks
+        self.reads_prefix_cache = True  # False: every prompt position is computed (prompt logprobs)
         self.generator: torch.Generator | None = None
         self.detokenizer = None  # engine.detokenizer.IncrementalDetokenizer, when a tokenizer exists
         # Prefix caching: how many leading blocks were offered to the hash table, and the hash
@@ -116,9 +119,12 @@ class Sequence:
     def text(self) -> str:
         return self.detokenizer.text if self.detokenizer is not None else ""
 
-    def append_token(self, token_id: int, logprob: float) -> None:
+    def append_token(self, token_id: int, logprob: float, logprobs: dict | None = None) -> None:
+        """Append a generated token, its log-probability and (when asked) its {token id: Logprob}."""
         self.token_ids.append(token_id)
         self.cumulative_logprob += logprob
+        if self.output_logprobs is not None:
+            self.output_logprobs.append(logprobs)
 
     def block_hash(self, i: int) -> int:
         """Chained hash of full block `i`: hash((hash of block i-1, its token ids)). Block 0's
@@ -151,6 +157,7 @@ class Sequence:
         child.cross_block_table = []
         child._block_hashes = list(self._block_hashes)
         child.generator = None
+        child.output_logprobs = list(self.output_logprobs) if self.output_logprobs is not None else None
         child.detokenizer = copy.deepcopy(self.detokenizer) if self.detokenizer is not None else None
         return child
 
@@ -190,6 +197,19 @@ class SequenceGroup:
     beam_hypotheses: list[BeamHypothesis] = field(default_factory=list)
     beam_done: bool = False
     error: str | None = None
+    prompt_logprobs: list[dict | None] | None = field(init=False, default=None)
+    """The prompt's {token id: Logprob} per token as computed so far (None first: nothing
+    predicts it), when `params.prompt_logprobs` is set."""
+
+    def __post_init__(self) -> None:
+        # What the params ask to record; such requests compute every prompt position (as vLLM).
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+            for seq in self.seqs:
+                seq.reads_prefix_cache = False
+        if self.params.logprobs is not None:
+            for seq in self.seqs:
+                seq.output_logprobs = []
 
     @property
     def live_seqs(self) -> list[Sequence]:

@@ -2,65 +2,93 @@
 
 The engine is not thread-safe and a step blocks for the model's forward pass, so:
 - each step runs in one worker thread, and the event loop keeps serving HTTP meanwhile;
-- handlers never touch the engine: adding and aborting a request queue a command that the loop
+- handlers never touch the engine: adding and aborting requests queue a command that the loop
   task applies between steps, when no step is running;
-- every request has an `asyncio.Queue` that the loop task fills with its `RequestOutput`s after
-  each step.
+- every HTTP request has an `asyncio.Queue` that the loop task fills with the `RequestOutput`s
+  of its engine requests (one per prompt) after each step.
 A request that arrives while a step runs joins the next one: continuous batching across HTTP
-requests. A request whose consumer stops reading (client gone, handler cancelled) is aborted:
-its blocks are freed before the next step.
+requests. Requests beyond the running batch wait in the engine scheduler's queue (first come,
+first served); `num_waiting` tells the server how long that queue is. A request whose consumer
+stops reading (client gone, handler cancelled) is aborted: its blocks are freed before the next
+step. While requests run, a throughput line is logged every `log_interval_s`, as vLLM does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
-from pagedattn.engine.llm_engine import LLMEngine
+from pagedattn.engine.llm_engine import EngineStats, LLMEngine
 from pagedattn.engine.outputs import RequestOutput
 from pagedattn.engine.sampling_params import SamplingParams
 from pagedattn.serve.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
+LOG_INTERVAL_S = 10.0
+"""How often the throughput line is logged while requests run (vLLM's interval)."""
+
 
 class EngineDeadError(RuntimeError):
     """A step raised: the engine's state is no longer trusted and no request is served."""
 
 
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class _Progress:
+    """What the loop knows of one engine request between steps (for the latency metrics)."""
+
+    submitted: float  # time.perf_counter() when the handler queued it
+    prompt_len: int
+    generated: int = 0  # output tokens reported so far
+    last_token: float | None = None  # when the last step that gave it tokens ended
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics):
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, *, log_interval_s: float = LOG_INTERVAL_S):
         self.engine = engine
         self.metrics = metrics
+        self.log_interval_s = log_interval_s
         self.dead: str | None = None  # why the loop stopped for good (a step raised)
         self._commands: deque[Callable[[], None]] = deque()
-        self._streams: dict[str, asyncio.Queue] = {}
-        self._generated: dict[str, int] = {}  # output tokens reported so far, per request
+        self._streams: dict[str, asyncio.Queue] = {}  # engine request id -> its HTTP request's queue
+        self._progress: dict[str, _Progress] = {}
+        self._stats: EngineStats = engine.stats()
+        self._num_queued = 0  # requests handed to the loop, not yet added to the engine
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedattn-step")
         self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     # ------------------------------------------------------------------ life cycle
 
     def start(self) -> None:
-        """Start the loop task on the running event loop (the server's start-up)."""
+        """Start the loop and the throughput log on the running event loop (the server's start-up)."""
         self._wake = asyncio.Event()
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="pagedattn-engine-loop")
-        self.metrics.observe_engine(self.engine.stats())
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._run(), name="pagedattn-engine-loop"),
+                       loop.create_task(self._log_throughput(), name="pagedattn-throughput-log")]
+        self._observe_engine()
 
     async def stop(self) -> None:
         """Stop the loop; a step in flight runs to its end first. The engine is let go: FastAPI
         caches route functions process-wide, so an app (whose routes reach this object) outlives
         its server, and must not keep a model and its KV pool in memory."""
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         self._executor.shutdown(wait=True)
         self.dead = self.dead or "the server has stopped"
         self.engine = None
@@ -70,53 +98,68 @@ class AsyncEngine:
         """No request queued, running or waiting for a command (the loop is parked)."""
         return not self._commands and not self._streams and (self.engine is None or not self.engine.has_unfinished())
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running: the scheduler's queue as of the last step, and those that
+        arrived since."""
+        return self._stats.num_waiting + self._num_queued
+
     # ------------------------------------------------------------------ requests
 
-    async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
-    ) -> AsyncIterator[RequestOutput]:
-        """The outputs of one request, the last one finished. The request is queued when the
-        iteration starts; closing or cancelling the iteration before the end aborts it. Use it
-        under `contextlib.aclosing` so an early exit aborts at once."""
+    async def generate(self, requests: list[EngineRequest]) -> AsyncIterator[RequestOutput]:
+        """The outputs of `requests` (engine requests of one HTTP request, e.g. one per prompt),
+        interleaved as steps produce them, until each has given its finished output. They are
+        queued when the iteration starts; closing or cancelling the iteration before the end
+        aborts the unfinished ones. Use it under `contextlib.aclosing` so an early exit aborts at once."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        if request_id in self._streams:
-            raise ValueError(f"expected a new request id, got {request_id!r} which is running")
+        running = [r.request_id for r in requests if r.request_id in self._streams]
+        if running:
+            raise ValueError(f"expected new request ids, got {running} which are running")
         queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = queue
-        self._submit(lambda: self._add(prompt_token_ids, params, request_id))
-        finished = False
+        now = time.perf_counter()
+        for r in requests:
+            self._streams[r.request_id] = queue
+            self._progress[r.request_id] = _Progress(now, len(r.prompt_token_ids))
+        self._num_queued += len(requests)
+        self._submit(lambda: self._add(requests))
+        unfinished = {r.request_id for r in requests}
         try:
-            while not finished:
+            while unfinished:
                 out = await queue.get()
                 if isinstance(out, BaseException):
                     raise out
-                finished = out.finished
+                if out.finished:
+                    unfinished.discard(out.request_id)
                 yield out
         finally:
-            del self._streams[request_id]
-            if not finished:
-                self._submit(lambda: self._abort(request_id))
+            for r in requests:
+                del self._streams[r.request_id]
+            if unfinished:
+                self._submit(lambda: self._abort(unfinished))
 
     def _submit(self, command: Callable[[], None]) -> None:
         self._commands.append(command)
         self._wake.set()
 
-    def _add(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> None:
-        if request_id not in self._streams:  # aborted before it was queued
-            return
-        try:
-            self.engine.add_request(prompt_token_ids, params, request_id)
-        except (TypeError, ValueError) as e:
-            self._streams[request_id].put_nowait(e)
-            return
-        self._generated[request_id] = 0
-        self.metrics.prompt_tokens.inc(len(prompt_token_ids))
+    def _add(self, requests: list[EngineRequest]) -> None:
+        self._num_queued -= len(requests)
+        for r in requests:
+            queue = self._streams.get(r.request_id)
+            if queue is None:  # aborted before it was queued
+                self._progress.pop(r.request_id, None)
+                continue
+            try:
+                self.engine.add_request(r.prompt_token_ids, r.params, r.request_id)
+            except (TypeError, ValueError) as e:
+                self._progress.pop(r.request_id, None)
+                queue.put_nowait(e)
 
-    def _abort(self, request_id: str) -> None:
-        if self.engine.abort_request(request_id):
-            self.metrics.requests_finished.labels(reason="abort").inc()
-        self._generated.pop(request_id, None)
+    def _abort(self, request_ids: set[str]) -> None:
+        for request_id in request_ids:
+            if self.engine.abort_request(request_id):
+                self.metrics.requests_finished.labels(reason="abort").inc()
+            self._progress.pop(request_id, None)
 
     # ------------------------------------------------------------------ the loop
 
@@ -125,7 +168,7 @@ class AsyncEngine:
         while True:
             while self._commands:
                 self._commands.popleft()()
-            self.metrics.observe_engine(self.engine.stats())
+            self._observe_engine()
             if not self.engine.has_unfinished():
                 self._wake.clear()
                 await self._wake.wait()
@@ -136,22 +179,32 @@ class AsyncEngine:
                 logger.exception("engine step failed; the server stops taking requests")
                 self._fail(f"engine step failed: {type(e).__name__}: {e}")
                 return
-            self._dispatch(outputs)
+            self._dispatch(outputs, time.perf_counter())
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _observe_engine(self) -> None:
+        self._stats = self.engine.stats()
+        self.metrics.observe_engine(self._stats)
+
+    def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
         new_tokens = 0
         for out in outputs:
             tokens = sum(len(c.token_ids) for c in out.outputs)
-            new_tokens += tokens - self._generated.get(out.request_id, 0)
+            progress = self._progress.get(out.request_id)
+            if progress is not None and tokens > progress.generated:
+                new_tokens += tokens - progress.generated
+                if progress.last_token is None:  # its prefill is done
+                    self.metrics.time_to_first_token.observe(now - progress.submitted)
+                    self.metrics.observe_prompt(progress.prompt_len)
+                else:
+                    self.metrics.inter_token_latency.observe(now - progress.last_token)
+                progress.generated, progress.last_token = tokens, now
             if out.finished:
-                self._generated.pop(out.request_id, None)
+                self._progress.pop(out.request_id, None)
                 reason = out.outputs[0].finish_reason if out.outputs else "error"
                 self.metrics.requests_finished.labels(reason=reason or "error").inc()
                 self.metrics.preemptions.inc(out.metrics.num_preemptions)
                 if out.metrics.latency is not None:
                     self.metrics.request_latency.observe(out.metrics.latency)
-            else:
-                self._generated[out.request_id] = tokens
             queue = self._streams.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)
@@ -159,5 +212,14 @@ class AsyncEngine:
 
     def _fail(self, reason: str) -> None:
         self.dead = reason
-        for queue in self._streams.values():
+        for queue in set(self._streams.values()):
             queue.put_nowait(EngineDeadError(reason))
+
+    async def _log_throughput(self) -> None:
+        """Every `log_interval_s` while requests run (and once after they end), vLLM's line:
+        prompt and generation tokens/s over the interval, running and waiting requests."""
+        while True:
+            await asyncio.sleep(self.log_interval_s)
+            line = self.metrics.throughput_line(self._stats, busy=self.engine is not None and not self.is_idle)
+            if line is not None:
+                logger.info(line)

@@ -1,8 +1,10 @@
-"""`pagedattn serve`: arguments, checked before the model loads, then uvicorn over `build_app`.
+"""`pagedattn serve`: arguments checked and the port bound before the model loads, then uvicorn
+over `build_app`.
 
 The model and engine flags are `pagedattn.cli.model_args`'s, shared with `generate` and `chat`;
 user errors raise `UsageError` (or `MissingExtraError`), which `pagedattn.cli.main` prints as
-one line with exit status 2.
+one line with exit status 2. A port in use is such an error, found in a second, not after the
+model has loaded: the socket is bound first (as vLLM does) and handed to uvicorn.
 """
 
 from __future__ import annotations
@@ -10,13 +12,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import logging
 import os
+import socket
 import sys
 
 from pagedattn.cli.model_args import UsageError, add_model_arguments, engine_config
+from pagedattn.serve import MAX_WAITING
 
 SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client")
 """The modules of the `[serve]` extra."""
+
 
 
 def add_parser(sub) -> None:
@@ -29,7 +35,9 @@ def add_parser(sub) -> None:
     group.add_argument("--port", type=int, default=8000)
     group.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDATTN_API_KEY, else none)")
-    group.add_argument("--max-concurrent", type=int, default=64, help="requests in flight; more are answered 429")
+    group.add_argument("--max-waiting", type=int, default=MAX_WAITING,
+                       help="requests that may wait for the running batch; more are answered 429 with Retry-After "
+                            f"(default: {MAX_WAITING})")
     group.add_argument("--max-prompt-len", type=int, default=None, help="longest prompt in tokens (default: the context)")
     group.add_argument("--max-tokens", type=int, default=None,
                        help="largest max_tokens a request may ask (default: the context)")
@@ -50,10 +58,39 @@ def _check(args: argparse.Namespace) -> None:
         )
     if not 0 <= args.port <= 65535:
         raise UsageError(f"expected --port in [0, 65535], got {args.port}")
-    for name in ("max_concurrent", "max_prompt_len", "max_tokens", "max_num_seqs"):
+    for name in ("max_waiting", "max_prompt_len", "max_tokens", "max_num_seqs"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"expected --{name.replace('_', '-')} >= 1, got {value}")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (not listening yet: connections are refused until the
+    server starts). A UsageError when the address cannot be had (in use, not local, unknown)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise UsageError(f"expected --host to be an address of this machine, got {host!r} ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a just-stopped server's port is free again
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise UsageError(f"expected a free port, got {host}:{port} which cannot be bound ({e.strerror})") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _log_to_stderr(level: str) -> None:
+    """Show the server's own lines (the throughput log, ignored fields) beside uvicorn's."""
+    logger = logging.getLogger("pagedattn")
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
+        logger.addHandler(handler)
+    logger.setLevel(level.upper())
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,21 +100,30 @@ def run(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, max_num_seqs=args.max_num_seqs)
     except ValueError as e:
         raise UsageError(str(e).replace("max_num_seqs", "--max-num-seqs")) from None
-    import uvicorn
+    sock = bind(args.host, args.port)
+    try:
+        import uvicorn
 
-    from pagedattn.engine.llm_engine import LLMEngine
-    from pagedattn.serve.app import ServeLimits, build_app
-    from pagedattn.serve.async_engine import AsyncEngine
-    from pagedattn.serve.metrics import ServerMetrics
+        from pagedattn.engine.llm_engine import LLMEngine
+        from pagedattn.serve.app import build_app
+        from pagedattn.serve.async_engine import AsyncEngine
+        from pagedattn.serve.metrics import ServerMetrics
+        from pagedattn.serve.serving import ServeLimits
 
-    engine = LLMEngine(config)
-    name = args.served_model_name or (
-        os.path.basename(os.path.normpath(args.model)) if args.model else "SmolLM2-135M-Instruct"
-    )
-    limits = ServeLimits(
-        max_concurrent=args.max_concurrent, max_prompt_len=args.max_prompt_len, max_tokens=args.max_tokens
-    )
-    api_key = args.api_key if args.api_key is not None else os.environ.get("PAGEDATTN_API_KEY")
-    app = build_app(AsyncEngine(engine, ServerMetrics(name)), name, api_key=api_key, limits=limits)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        _log_to_stderr(args.log_level)
+        engine = LLMEngine(config)
+        name = args.served_model_name or (
+            os.path.basename(os.path.normpath(args.model)) if args.model else "SmolLM2-135M-Instruct"
+        )
+        limits = ServeLimits(max_waiting=args.max_waiting, max_prompt_len=args.max_prompt_len,
+                             max_tokens=args.max_tokens)
+        api_key = args.api_key if args.api_key is not None else os.environ.get("PAGEDATTN_API_KEY")
+        app = build_app(AsyncEngine(engine, ServerMetrics(name)), name, api_key=api_key, limits=limits)
+        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level))
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it stopped on; a clean stop (as uvicorn.run)
+            pass
+    finally:
+        sock.close()
     return 0

@@ -1,113 +1,239 @@
 """The OpenAI API's request bodies (pydantic, checked on arrival) and its error shape.
 
-Options the engine cannot honour are refused, so a request is never answered as if one had been
-applied: unknown fields (tools, logit_bias, ...) always, and the common ones clients send by
-default (penalties, logprobs, echo) unless they have their neutral value. `top_k` and
-`ignore_eos` are extensions, as in vLLM.
+As vLLM does, a field this server does not know is accepted and ignored (`ignored_fields` names
+them; the server logs each name once), so clients written for OpenAI or vLLM keep working. A
+known option the engine cannot honour is refused, never answered as if applied: the ones that
+need guided decoding in one place (`refuse_unsupported`), the others where they are declared.
+Sampling options keep vLLM's names and map to `SamplingParams` (`serving.Serving`).
+`top_k`, `ignore_eos`, `add_generation_prompt`, `continue_final_message` and
+`chat_template_kwargs` are vLLM's extensions.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+MAX_LOGPROBS = 20
+"""The most log-probabilities per position a request may ask (vLLM's default `max_logprobs`)."""
 
 
 class APIError(Exception):
-    """An error answered with `status` and OpenAI's body `{"error": {...}}`."""
+    """An error answered with `status` and OpenAI's body `{"error": {...}}` (plus `headers`)."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class OpenAIModel(BaseModel):
+    """A request object: unknown fields are kept (in `model_extra`) to be reported, not refused."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+def ignored_fields(obj: Any, path: str = "") -> list[str]:
+    """The dotted names of every unknown field of a parsed request, nested objects included
+    (`messages.foo`: field foo of some message)."""
+    if isinstance(obj, (list, tuple)):
+        return sorted({name for item in obj for name in ignored_fields(item, path)})
+    if not isinstance(obj, BaseModel):
+        return []
+    names = [f"{path}{k}" for k in (obj.model_extra or {})]
+    for field in type(obj).model_fields:
+        names += ignored_fields(getattr(obj, field), f"{path}{field}.")
+    return sorted(set(names))
+
+
+# ---------------------------------------------------------------------- sampling
+
+
+class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None
 
-    model: str
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
-    n: int = Field(1, ge=1)
+
+class _SamplingRequest(OpenAIModel):
+    model: str | None = None  # None: the served model
+    temperature: float | None = Field(None, ge=0, le=2)  # None: 1
+    top_p: float | None = Field(None, gt=0, le=1)  # None: 1
+    top_k: int | None = Field(None, ge=-1)  # None: every token
+    n: int | None = Field(None, ge=1)  # None: 1
     stop: str | list[str] | None = None
     seed: int | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    user: str | None = None  # an end-user id for the caller's own logs; no effect here
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(0, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    stop_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = Field(None, ge=-1, le=MAX_LOGPROBS)  # vLLM's; -1: the whole vocabulary
+    response_format: ResponseFormat | None = None
+    # vLLM's guided decoding: refused until it is implemented (`refuse_unsupported`)
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: Any = None
+    # OpenAI's account and storage options: accepted, no effect on a self-hosted server
+    user: str | None = None
+    service_tier: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float) -> float:
-        if value != 0:
-            raise ValueError(f"expected 0 (penalties are not supported), got {value}")
-        return value
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+
+def refuse_unsupported(body: _SamplingRequest) -> None:
+    """The one place for options that need guided decoding (constrained sampling), which the
+    engine does not have yet: JSON response formats, vLLM's guided_* fields and tool_choice
+    "required" or a named function. Raise a 400 "not supported yet" for each."""
+    if body.response_format is not None and body.response_format.type != "text":
+        raise APIError(400, f"expected response_format type 'text', got {body.response_format.type!r}: "
+                       "JSON output needs guided decoding, which is not supported yet", param="response_format")
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+        if getattr(body, name) is not None:
+            raise APIError(400, f"expected no {name}: guided decoding is not supported yet", param=name)
+    choice = getattr(body, "tool_choice", None)
+    if choice is not None and choice not in ("auto", "none"):
+        shown = choice if isinstance(choice, str) else f"function {choice.function.name!r}"
+        raise APIError(400, f"expected tool_choice 'auto' or 'none', got {shown}: forcing a tool call needs "
+                       "guided decoding, which is not supported yet", param="tool_choice")
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int] = Field(min_length=1)
-    max_tokens: int = Field(16, ge=1)  # OpenAI's default for completions
-    logprobs: int | None = None
-    echo: bool = False
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)  # OpenAI's default; None: what the context leaves; 0: echo alone
+    best_of: int | None = Field(None, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = False
+    suffix: str | None = None
 
-    @field_validator("logprobs")
+    @field_validator("prompt")
     @classmethod
-    def _no_logprobs(cls, value: int | None) -> int | None:
-        if value is not None:
-            raise ValueError(f"expected null (logprobs are not supported), got {value}")
+    def _some_prompt(cls, value):
+        if len(value) == 0 or (isinstance(value, list) and any(len(p) == 0 for p in value if isinstance(p, list))):
+            raise ValueError("expected a non-empty prompt (text, token ids, or a list of them)")
         return value
 
-    @field_validator("echo")
+    @field_validator("suffix")
     @classmethod
-    def _no_echo(cls, value: bool) -> bool:
+    def _no_suffix(cls, value: str | None) -> str | None:
         if value:
-            raise ValueError("expected false (echo is not supported), got true")
+            raise ValueError("expected no suffix (insertion is not supported)")
         return value
 
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text or token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+
+# ---------------------------------------------------------------------- chat
+
+
+class TextPart(OpenAIModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"expected content in a {self.role} message, got null")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class FunctionDefinition(OpenAIModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class ChatTemplateOptions(OpenAIModel):
+    """What renders a conversation into a prompt (chat completions and /tokenize)."""
+
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_ending(self):
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("expected at most one of add_generation_prompt and continue_final_message, got both")
+        return self
+
+
+class ChatCompletionRequest(_SamplingRequest, ChatTemplateOptions):
     max_tokens: int | None = Field(None, ge=1)  # None: what the context leaves after the prompt
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
-    logprobs: bool = False
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("expected false (logprobs are not supported), got true")
-        return value
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
 
     def token_limit(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -115,3 +241,29 @@ class ChatCompletionRequest(_SamplingRequest):
                 raise APIError(400, "expected one of max_tokens and max_completion_tokens, got both",
                                param="max_completion_tokens")
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Tools were offered and the model may call them (OpenAI's default choice is "auto")."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
+
+
+# ---------------------------------------------------------------------- vLLM's /tokenize and /detokenize
+
+
+class TokenizeCompletionRequest(OpenAIModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(ChatTemplateOptions):
+    model: str | None = None
+    add_special_tokens: bool = False  # the template writes them
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]

@@ -69,8 +69,9 @@ class Server:
 
 
 @contextmanager
-def run_server(loaded, device, *, api_key=None, **limits):
-    """Serve `loaded` with uvicorn in a daemon thread; stops it (bounded wait) on exit."""
+def run_server(loaded, device, *, api_key=None, engine_kwargs=None, log_interval_s=10.0, **limits):
+    """Serve `loaded` with uvicorn in a daemon thread; stops it (bounded wait) on exit.
+    `engine_kwargs` override `ENGINE_DEFAULTS`; `limits` are `ServeLimits`'."""
     import uvicorn
 
     from pagedattn.engine.config import EngineConfig
@@ -79,8 +80,9 @@ def run_server(loaded, device, *, api_key=None, **limits):
     from pagedattn.serve.async_engine import AsyncEngine
     from pagedattn.serve.metrics import ServerMetrics
 
-    engine = LLMEngine(EngineConfig(device=str(device), **ENGINE_DEFAULTS), loaded, check_integrity=True)
-    async_engine = AsyncEngine(engine, ServerMetrics(MODEL_NAME))
+    config = EngineConfig(device=str(device), **(ENGINE_DEFAULTS | (engine_kwargs or {})))
+    engine = LLMEngine(config, loaded, check_integrity=True)
+    async_engine = AsyncEngine(engine, ServerMetrics(MODEL_NAME), log_interval_s=log_interval_s)
     app = build_app(async_engine, MODEL_NAME, api_key=api_key, limits=ServeLimits(**limits))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
@@ -101,5 +103,5 @@ def run_server(loaded, device, *, api_key=None, **limits):
 
 @pytest.fixture(scope="module")
 def server(loaded, device):
-    with run_server(loaded, device, max_concurrent=32, max_tokens=64) as s:
+    with run_server(loaded, device, max_tokens=64) as s:
         yield s
