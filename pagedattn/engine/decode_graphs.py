@@ -10,8 +10,11 @@ runs short contexts, an engine's usual early steps, slower (docs/PERF.md).
 A graph runs the model on its input-id and position buffers and then `compute_logits`, so a
 replayed step hands the sampler float32 logits [batch, vocab] with no launch of its own in
 between (the output head reads as many bytes as a tenth of an 8B model's layers: outside the
-graph its launch gaps showed). A graph's logits live in the shared pool until the next replay;
-the sampler's kernels, queued behind the replay on the same stream, read them first.
+graph its launch gaps showed). Every graph writes its logits into one float32 buffer
+[max_num_seqs, vocab] (`compute_logits(..., out=)`), not into a tensor of its own in the pool:
+held per graph, those outputs summed to 16 GiB per context class at max_num_seqs 1000 with a
+128k vocabulary. The buffer holds a replay's logits until the next replay; the sampler's
+kernels, queued behind the replay on the same stream, read them first.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     state: AttentionState
     buffers: dict[str, torch.Tensor]
-    logits: torch.Tensor  # float32 [batch size, vocab], rewritten by each replay
+    logits: torch.Tensor  # float32 [batch size, vocab]: rows of the shared buffer, rewritten by each replay
 
 
 class DecodeGraphs:
@@ -57,6 +60,7 @@ class DecodeGraphs:
         self._ids = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self._pos = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self._graphs: dict[tuple[int | None, int], _Graph] = {}
+        self._logits: torch.Tensor | None = None  # float32 [max_num_seqs, vocab], every graph's output
         state = backend.get_state_cls()(max_num_seqs, max_blocks_per_seq, block_size, device)
         state.set_layers(attention_impls)
         # No garbage collection inside a capture: a cycle collected there (an old engine: its
@@ -87,11 +91,15 @@ class DecodeGraphs:
                 graph_state.begin_forward(md)
                 ids, pos = self._ids[:bs], self._pos[:bs]
                 with forward_context(md, self.kv_caches):
-                    self.model.compute_logits(self.model(ids, pos))  # warm-up outside the graph
+                    warm = self.model.compute_logits(self.model(ids, pos))  # warm-up outside the graph
+                    if self._logits is None:  # the largest size comes first
+                        self._logits = torch.empty(self.max_num_seqs, warm.shape[1], dtype=torch.float32,
+                                                   device=self.device)
+                    del warm
                     torch.cuda.synchronize(self.device)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
-                        logits = self.model.compute_logits(self.model(ids, pos))
+                        logits = self.model.compute_logits(self.model(ids, pos), out=self._logits[:bs])
                 pool = graph.pool() if pool is None else pool
                 self._graphs[limit, bs] = _Graph(graph, graph_state, graph_state.get_graph_input_buffers(md), logits)
 

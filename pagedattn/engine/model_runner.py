@@ -153,7 +153,7 @@ class ModelRunner:
     def _capture_graphs(self) -> DecodeGraphs:
         """The decode graphs, or a ValueError with the numbers when the device cannot hold them
         beside the KV pool (the engine is refused at start-up rather than failing mid-capture)."""
-        before = torch.cuda.memory_reserved(self.device)
+        before = torch.cuda.memory_allocated(self.device)
         try:
             graphs = DecodeGraphs(
                 self.model, self.backend, self.attention_impls, self.kv_caches, max_num_seqs=self.max_num_seqs,
@@ -168,7 +168,7 @@ class ModelRunner:
                 f"out-of-memory error with {free / _GIB:.2f} of {total / _GIB:.2f} GiB free; lower max_num_seqs "
                 f"(--max-num-seqs) or gpu_memory_utilization, or run without graphs (enforce_eager, --enforce-eager)"
             ) from exc
-        took = torch.cuda.memory_reserved(self.device) - before
+        took = torch.cuda.memory_allocated(self.device) - before
         logger.info("decode graphs hold %.2f GiB (%.2f GiB kept for them)", took / _GIB, self._graph_reserve / _GIB)
         return graphs
 

@@ -25,7 +25,7 @@ from torch import nn
 from pagedattn.attention.types import AttentionType
 from pagedattn.layer import Attention
 from pagedattn.models.layers import (ENCODER_DECODER_STACKED, StackedLinear, activation_of,
-                                     encoder_decoder_spec_fields, load_weights)
+                                     encoder_decoder_spec_fields, float_logits, load_weights)
 
 POSITION_OFFSET = 2
 """BART's learned position tables start at index 2 (fairseq reserved 0 and 1 for padding)."""
@@ -222,9 +222,9 @@ class BartForConditionalGeneration(nn.Module):
             encoder_hidden = self.model.encoder(encoder_input_ids, encoder_positions)
         return self.model.decoder(input_ids, positions, encoder_hidden)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, d_model] -> logits float32 [N, vocab]."""
-        return (self.lm_head(hidden) + self.final_logits_bias).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [N, d_model] -> logits float32 [N, vocab] (into `out` when given)."""
+        return float_logits(self.lm_head(hidden) + self.final_logits_bias, out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """weights: (Hugging Face name, tensor) pairs, e.g. `model.decoder.layers.0.encoder_attn.k_proj.weight`.

@@ -16,16 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedattn.layer import Attention
-from pagedattn.models.layers import (
-    STACKED_PARAMS,
-    RotaryEmbedding,
-    StackedLinear,
-    apply_rope,
-    head_size_of,
-    layer_sliding_windows,
-    load_weights,
-    rope_inv_freq,
-)
+from pagedattn.models.layers import (RotaryEmbedding, STACKED_PARAMS, StackedLinear, apply_rope, float_logits,
+                                     head_size_of, layer_sliding_windows, load_weights, rope_inv_freq)
 
 _GELU_APPROXIMATION = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
@@ -155,13 +147,14 @@ class Gemma2ForCausalLM(nn.Module):
         """input_ids, positions: int64 [T] -> hidden states [T, hidden] in the model dtype."""
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> soft-capped logits float32 [N, vocab] (tied embedding head)."""
-        logits = F.linear(hidden, self.model.embed_tokens.weight).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [N, hidden] -> soft-capped logits float32 [N, vocab] (tied embedding head; into
+        `out` when given)."""
+        logits = F.linear(hidden, self.model.embed_tokens.weight)
         cap = self.final_logit_softcapping
         if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+            logits = torch.tanh(logits.float() / cap) * cap
+        return float_logits(logits, out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """weights: (Hugging Face name, tensor) pairs; a stored `lm_head.weight` is the tied embedding."""

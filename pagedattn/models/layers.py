@@ -370,3 +370,9 @@ def encoder_decoder_spec_fields(config, *, max_model_len: int, max_encoder_len: 
         max_encoder_len=max_encoder_len,
         decoder_start_token_id=config.decoder_start_token_id,
     )
+
+
+def float_logits(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`logits` as float32: a new tensor, or written into `out` [N, vocab] float32 (the decode
+    graphs' one logits buffer, shared by every captured batch size) and returned."""
+    return logits.float() if out is None else out.copy_(logits)

@@ -14,18 +14,9 @@ import torch
 from torch import nn
 
 from pagedattn.layer import Attention
-from pagedattn.models.layers import (
-    STACKED_PARAMS,
-    RMSNorm,
-    RotaryEmbedding,
-    StackedLinear,
-    apply_rope_,
-    head_size_of,
-    layer_sliding_windows,
-    load_weights,
-    rope_inv_freq,
-    silu_and_mul,
-)
+from pagedattn.models.layers import (RMSNorm, RotaryEmbedding, STACKED_PARAMS, StackedLinear, apply_rope_,
+                                     float_logits, head_size_of, layer_sliding_windows, load_weights,
+                                     rope_inv_freq, silu_and_mul)
 
 
 class LlamaAttention(nn.Module):
@@ -155,9 +146,9 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: int64 [T] -> hidden states [T, hidden] in the model dtype."""
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> logits float32 [N, vocab]."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [N, hidden] -> logits float32 [N, vocab] (into `out` when given)."""
+        return float_logits(self.lm_head(hidden), out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """weights: (Hugging Face name, tensor) pairs, e.g. `model.layers.0.self_attn.q_proj.weight`."""

@@ -142,7 +142,7 @@ class ModelSpec:
 class LoadedModel:
     model: nn.Module
     """`forward(input_ids int64 [T], positions int64 [T]) -> [T, hidden]`,
-    `compute_logits([N, hidden]) -> float32 [N, vocab]`. Encoder-decoder models:
+    `compute_logits([N, hidden], out=None) -> float32 [N, vocab]` (written into `out` when given). Encoder-decoder models:
     `forward(input_ids, positions, encoder_input, encoder_positions)`, both None for a step that
     runs no encoder; else encoder_positions int64 [num_encoder_tokens] and encoder_input the
     encoder's token ids int64 [num_encoder_tokens], or for an audio encoder (`audio` set) the

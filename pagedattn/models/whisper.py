@@ -30,7 +30,7 @@ from torch import nn
 from pagedattn.attention.types import AttentionType
 from pagedattn.layer import Attention
 from pagedattn.models.layers import (ENCODER_DECODER_STACKED, StackedLinear, activation_of,
-                                     encoder_decoder_spec_fields, load_weights)
+                                     encoder_decoder_spec_fields, float_logits, load_weights)
 
 CONV_STRIDE = 2
 """Frames per encoder position: conv1 has stride 1, conv2 stride 2."""
@@ -327,9 +327,9 @@ class WhisperForConditionalGeneration(nn.Module):
             encoder_hidden = self.model.encoder(encoder_features, encoder_positions)
         return self.model.decoder(input_ids, positions, encoder_hidden)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, d_model] -> logits float32 [N, vocab]."""
-        return self.proj_out(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [N, d_model] -> logits float32 [N, vocab] (into `out` when given)."""
+        return float_logits(self.proj_out(hidden), out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """weights: (Hugging Face name, tensor) pairs, e.g. `model.encoder.conv1.weight`. Tied:
