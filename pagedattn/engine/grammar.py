@@ -105,7 +105,8 @@ def _compile(compiler, spec: GuidedDecodingParams):
     if kind == "regex":
         return compiler.compile_regex(spec.regex)
     if kind == "choice":  # JSON's string escapes are EBNF's
-        return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice))
+        literals = (json.dumps(c, ensure_ascii=False) for c in spec.choice)
+        return compiler.compile_grammar("root ::= " + " | ".join(literals))
     if kind == "grammar":  # vLLM's rule: a grammar without "::=" is Lark's
         return compiler.compile_grammar(spec.grammar) if "::=" in spec.grammar else compiler.compile_lark(spec.grammar)
     tag = spec.structural_tag

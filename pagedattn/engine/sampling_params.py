@@ -27,7 +27,7 @@ class GuidedDecodingParams:
         `name ::= ...`, starting at `root`), or Lark's syntax when it has no `::=` (as vLLM).
     structural_tag: an xgrammar structural tag (its JSON text or a dict), e.g. tool calls.
 
-    backend: None or "xgrammar" (the only one). disable_any_whitespace: JSON with xgrammar's
+    backend: None, "auto" or "xgrammar" (the only one). disable_any_whitespace: JSON with xgrammar's
     fixed separators (", " and ": ") instead of any whitespace between tokens.
     Whether a schema or grammar compiles is known when the engine takes the request: one that
     does not fails that request (finish_reason "error"), not the engine.
@@ -53,7 +53,9 @@ class GuidedDecodingParams:
                 try:
                     json.loads(value)
                 except ValueError as e:
-                    raise ValueError(f"expected {name} to be a dict or its JSON text, got text that is not JSON: {e}") from None
+                    raise ValueError(
+                        f"expected {name} to be a dict or its JSON text, got text that is not JSON: {e}"
+                    ) from None
             elif value is not None and not isinstance(value, dict):
                 raise ValueError(f"expected {name} to be a dict or its JSON text, got {type(value).__name__}")
         for name in ("regex", "grammar"):
@@ -65,12 +67,16 @@ class GuidedDecodingParams:
                 raise ValueError(f"expected choice to be a list of strings, got {self.choice!r:.80}")
             self.choice = list(self.choice)
             if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
-                raise ValueError(f"expected choice to be a non-empty list of non-empty strings, got {self.choice!r:.80}")
+                raise ValueError(
+                    f"expected choice to be a non-empty list of non-empty strings, got {self.choice!r:.80}"
+                )
         for name in ("json_object", "disable_any_whitespace"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"expected {name} to be a bool, got {getattr(self, name)!r}")
         if self.backend not in (None, "xgrammar", "auto"):
-            raise ValueError(f"expected guided decoding backend None or 'xgrammar' (the only one), got {self.backend!r}")
+            raise ValueError(
+                f"expected guided decoding backend None or 'xgrammar' (the only one), got {self.backend!r}"
+            )
 
     @property
     def kind(self) -> str:
@@ -105,12 +111,13 @@ class SamplingParams:
     repetition_penalty: > 0, over the prompt's and the generated tokens (transformers' / vLLM's):
         a positive logit of a token seen is divided by it, a negative one multiplied.
     min_p: in [0, 1]: after temperature, tokens with probability < min_p * the largest are dropped.
-    logit_bias: {token id: bias}, added to the logits before anything else; biases are clamped to
+    logit_bias: {token id: bias}, added to the logits first (after a guided mask); biases are clamped to
         [-100, 100] (as vLLM), keys may be ints or decimal strings (JSON's).
     logprobs: per generated token, return {token id: Logprob} of the drawn token and the
         `logprobs` most likely ones (-1: the whole vocabulary); prompt_logprobs: the same for each
         prompt token but the first (None). Log-probabilities are the model's (log_softmax of the
-        logits before bias, penalties and temperature), as `cumulative_logprob` and vLLM's default.
+        logits before bias, penalties and temperature; after a guided mask), as `cumulative_logprob`
+        and vLLM's default.
         Prompt logprobs need every prompt position computed: such requests never read the prefix
         cache (as vLLM).
     guided_decoding: a `GuidedDecodingParams`: each completion's text must match it (its own

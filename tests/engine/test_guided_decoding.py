@@ -86,14 +86,16 @@ def test_choice_regex_and_grammar(make_engine):
     choices = ["red wine", "white", "rosé", 'say "cheese"']
     prompts = random_prompts((6, 11, 8, 14, 9), seed=32)
     params = [
-        SamplingParams(temperature=1.0, seed=3, n=4, max_tokens=20, guided_decoding=GuidedDecodingParams(choice=choices)),
+        SamplingParams(temperature=1.0, seed=3, n=4, max_tokens=20,
+                       guided_decoding=GuidedDecodingParams(choice=choices)),
         SamplingParams(temperature=0.9, seed=4, n=2, best_of=3, max_tokens=20,
                        guided_decoding=GuidedDecodingParams(choice=choices)),
         SamplingParams(temperature=0.9, seed=5, max_tokens=30,
                        guided_decoding=GuidedDecodingParams(regex=r"[0-9]{3}-[A-Z]{2}(-[a-z]+)?")),
         SamplingParams(temperature=0, max_tokens=30, guided_decoding=GuidedDecodingParams(
             grammar='root ::= "(" num (" + " num)? ")"\nnum ::= [1-9] [0-9]?')),
-        SamplingParams(temperature=0, max_tokens=10, guided_decoding=GuidedDecodingParams(grammar='start: "yes" | "no"')),
+        SamplingParams(temperature=0, max_tokens=10,
+                       guided_decoding=GuidedDecodingParams(grammar='start: "yes" | "no"')),
     ]
     outs = make_engine().generate(prompts, params)
     for c in outs[0].outputs + outs[1].outputs:  # each completion has its own grammar state
@@ -124,14 +126,16 @@ def test_json_object_and_a_structural_tag(make_engine):
 def test_a_spec_that_does_not_compile_fails_alone(make_engine):
     prompts = random_prompts((6, 9, 7, 8), seed=34)
     params = [SamplingParams(temperature=0, max_tokens=60, guided_decoding=JSON),
-              SamplingParams(temperature=0, max_tokens=8, guided_decoding=GuidedDecodingParams(json={"type": "nonsense"})),
+              SamplingParams(temperature=0, max_tokens=8,
+                             guided_decoding=GuidedDecodingParams(json={"type": "nonsense"})),
               SamplingParams(temperature=0, max_tokens=8, guided_decoding=GuidedDecodingParams(regex="([a-z]")),
               SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)]
     engine = make_engine()
     outs = engine.generate(prompts, params)
     assert [o.outputs[0].finish_reason for o in outs] == ["stop", "error", "error", "length"]
     check_schema(outs[0].outputs[0].text)
-    assert outs[1].error.startswith("xgrammar cannot compile the guided decoding json: ") and "nonsense" in outs[1].error
+    assert outs[1].error.startswith("xgrammar cannot compile the guided decoding json: ")
+    assert "nonsense" in outs[1].error
     assert "regex" in outs[2].error and "[" not in outs[2].error.split(": ")[0]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
