@@ -8,8 +8,6 @@ import logging
 import time
 
 import httpx
-import openai
-import pytest
 
 from pagedattn.engine.sampling_params import SamplingParams
 
