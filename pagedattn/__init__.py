@@ -23,7 +23,7 @@ from pagedattn.layer import Attention, forward_context
 
 __version__ = "0.1.0"
 
-_ENGINE = {"LLM", "SamplingParams", "RequestOutput", "CompletionOutput"}
+_ENGINE = {"LLM", "SamplingParams", "GuidedDecodingParams", "RequestOutput", "CompletionOutput"}
 
 
 def __getattr__(name: str):
@@ -46,6 +46,7 @@ __all__ = [
     "BackendStatus",
     "BackendUnavailableError",
     "CompletionOutput",
+    "GuidedDecodingParams",
     "LLM",
     "MetadataBuilder",
     "RequestOutput",

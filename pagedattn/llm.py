@@ -10,9 +10,9 @@ import torch
 from pagedattn.engine.config import EngineConfig
 from pagedattn.engine.llm_engine import LLMEngine
 from pagedattn.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pagedattn.engine.sampling_params import SamplingParams
+from pagedattn.engine.sampling_params import GuidedDecodingParams, SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestMetrics", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "GuidedDecodingParams", "RequestMetrics", "RequestOutput", "SamplingParams"]
 
 
 class LLM:

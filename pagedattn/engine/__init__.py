@@ -11,6 +11,7 @@ the current one's results are read (`Scheduler.schedule_next_decodes`).
 
 from pagedattn.engine.config import EngineConfig
 from pagedattn.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagedattn.engine.sampling_params import SamplingParams
+from pagedattn.engine.sampling_params import GuidedDecodingParams, SamplingParams
 
-__all__ = ["CompletionOutput", "EngineConfig", "Logprob", "RequestMetrics", "RequestOutput", "SamplingParams"]
+__all__ = ["CompletionOutput", "EngineConfig", "GuidedDecodingParams", "Logprob", "RequestMetrics", "RequestOutput",
+           "SamplingParams"]

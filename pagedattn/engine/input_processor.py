@@ -4,8 +4,9 @@ A request's `max_tokens` (and `min_tokens` under it) is clamped to what the cont
 after its prompt (at least one token). A request that can never run (an empty prompt, ids that
 are not ints or not in the vocabulary, options naming tokens outside it or more logprobs than
 it has (`SamplingParams.vocab_error`), a prompt longer than the context, more sequences than a
-step holds) is not
-raised: it becomes a group finished with finish_reason "error", so the others go on.
+step holds, a guided decoding spec that does not compile) is not raised: it becomes a group
+finished with finish_reason "error", so the others go on. A guided request's sequence gets its
+grammar matcher here (`Grammars`).
 
 Encoder-decoder models take `{"encoder_prompt": p, "decoder_prompt": q}` (as vLLM does; the
 decoder prompt may be left out) or a plain prompt, which is the encoder prompt. Each part is a
@@ -29,6 +30,7 @@ from collections.abc import Iterator
 import torch
 
 from pagedattn.engine.detokenizer import IncrementalDetokenizer
+from pagedattn.engine.grammar import GrammarError, Grammars
 from pagedattn.engine.sampling_params import SamplingParams
 from pagedattn.engine.sequence import EncoderFeatures, Sequence, SequenceGroup, SeqStatus
 
@@ -52,10 +54,12 @@ class InputProcessor:
         decoder_start_token_id: int | None = None,
         max_num_batched_tokens: int | None = None,
         audio=None,
+        grammars: Grammars,
     ):
         """`max_encoder_len` > 0 makes the model encoder-decoder; its prompts then need
         `decoder_start_token_id`, and `max_num_batched_tokens` bounds encoder + decoder prompt.
-        `audio`: an audio encoder's `LogMelInput` (`LoadedModel.audio`), None for text encoders."""
+        `audio`: an audio encoder's `LogMelInput` (`LoadedModel.audio`), None for text encoders.
+        `grammars`: the engine's guided decoding compiler."""
         if max_encoder_len and decoder_start_token_id is None:
             raise ValueError("expected a decoder_start_token_id for an encoder-decoder model, got None")
         self.max_encoder_len = max_encoder_len
@@ -69,6 +73,7 @@ class InputProcessor:
         self.block_size = block_size
         self.device = device
         self.seq_ids = seq_ids
+        self.grammars = grammars
 
     def make_group(
         self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str, index: int
@@ -99,6 +104,8 @@ class InputProcessor:
         seq = Sequence(next(self.seq_ids), token_ids, self.block_size, tuple(encoder_ids or ()), features)
         if error is None and seq.encoder_len:
             error = self._check_step_budget(seq.encoder_len + len(token_ids))
+        if error is None and params.guided_decoding is not None:
+            seq.grammar, error = self._grammar(params)
         group = SequenceGroup(
             request_id, text, token_ids, params, [seq], index,
             encoder_prompt=encoder_text, encoder_prompt_token_ids=encoder_ids,
@@ -170,6 +177,13 @@ class InputProcessor:
         if params.width > self.max_num_seqs:
             return f"expected n/best_of <= max_num_seqs ({self.max_num_seqs}), got {params.width}"
         return params.vocab_error(self.vocab_size)
+
+    def _grammar(self, params: SamplingParams):
+        """(the grammar matcher of the request's first completion, None) or (None, error)."""
+        try:
+            return self.grammars.matcher(params.guided_decoding), None
+        except GrammarError as e:
+            return None, str(e)
 
     def _encoder_tokens(self, prompt) -> tuple[str | None, list[int], str | None]:
         """(text or None, token ids, error) of a text encoder's prompt."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pagedattn.attention.registry import get_backend
 from pagedattn.engine.block_manager import BlockManager
 from pagedattn.engine.config import EngineConfig
+from pagedattn.engine.grammar import Grammars
 from pagedattn.engine.input_processor import InputProcessor
 from pagedattn.engine.model_runner import LaunchedStep, ModelRunner
 from pagedattn.engine.output_processor import OutputProcessor
@@ -86,6 +87,8 @@ class LLMEngine:
         )
         self.check_integrity = check_integrity
         seq_ids = itertools.count()
+        # guided decoding's compiler (xgrammar, on the first guided request); the server compiles through it too
+        self.grammars = Grammars(self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids)
         self.input_processor = InputProcessor(
             self.tokenizer,
             vocab_size=self.spec.vocab_size,
@@ -98,6 +101,7 @@ class LLMEngine:
             decoder_start_token_id=self.spec.decoder_start_token_id,
             max_num_batched_tokens=self.runner.max_num_batched_tokens,
             audio=loaded.audio,
+            grammars=self.grammars,
         )
         self.output_processor = OutputProcessor(
             self.scheduler,

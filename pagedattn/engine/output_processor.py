@@ -6,8 +6,9 @@ prompt's sequence into one per completion (blocks shared, copied on write); a be
 one beam-search step over its beams' log-probabilities. A sequence finishes on a stop string,
 EOS (unless `ignore_eos`) or a stop token id, `max_tokens` or the model's context, and its
 blocks are freed. As vLLM V1: stops count only after `min_tokens` generated tokens, and a token
-that stops by its id (EOS, `stop_token_ids`) stays in `token_ids` but not in the text. The
-log-probabilities a request asks for become `{token id: Logprob}` dicts here (decoded tokens).
+that stops by its id (EOS, `stop_token_ids`) stays in `token_ids` but not in the text. A guided
+completion's grammar matcher accepts each of its tokens; the EOS that ends its grammar ends it.
+The log-probabilities a request asks for become `{token id: Logprob}` dicts here (decoded tokens).
 """
 
 from __future__ import annotations
@@ -92,15 +93,20 @@ class OutputProcessor:
 
     def _append_token(self, group: SequenceGroup, seq: Sequence, token: int, logprob: float,
                       logprobs: dict | None) -> None:
+        grammar = seq.grammar
+        if grammar is not None and not grammar.accept_token(token):
+            # The mask allowed no token the sampler could draw: the grammar could only end, and
+            # min_tokens masked its EOS. The text is complete; the completion ends there.
+            self._stop(seq, None)
+            return
         seq.append_token(token, logprob, logprobs)
         params = group.params
         may_stop = seq.num_output_tokens > params.min_tokens
+        if grammar is not None and grammar.is_terminated():  # it took its stop token: an EOS, even with ignore_eos
+            self._stop(seq, None)
+            return
         if may_stop and ((not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids):
-            # Stopped by its id: the token is not detokenized (vLLM's include_stop_str_in_output=False).
-            if seq.detokenizer is not None:
-                seq.detokenizer.flush()
-            seq.stop_reason = None if token in self.eos_token_ids and not params.ignore_eos else token
-            self.scheduler.finish_seq(seq, "stop")
+            self._stop(seq, None if token in self.eos_token_ids and not params.ignore_eos else token)
             return
         delta = seq.detokenizer.add(token) if seq.detokenizer is not None else ""
         if delta and params.stop and may_stop:
@@ -113,6 +119,14 @@ class OutputProcessor:
             if seq.detokenizer is not None:
                 seq.detokenizer.flush()
             self.scheduler.finish_seq(seq, "length")
+
+    def _stop(self, seq: Sequence, stop_reason: int | None) -> None:
+        """Finish `seq` stopped by a token id (EOS, a stop token id, its grammar's end): the
+        token is not detokenized (vLLM's include_stop_str_in_output=False)."""
+        if seq.detokenizer is not None:
+            seq.detokenizer.flush()
+        seq.stop_reason = stop_reason
+        self.scheduler.finish_seq(seq, "stop")
 
     def _beam_step(self, group: SequenceGroup, beams: list[Sequence], logprobs: torch.Tensor) -> None:
         """logprobs: float32 [len(beams), V], each beam's next-token log-softmax."""

@@ -1,10 +1,12 @@
-"""Token sampling on the device: logit bias, the min_tokens mask, penalties, greedy, temperature,
-min_p, top-k, top-p, per-request generators; and the log-probabilities a request asks for.
+"""Token sampling on the device: guided decoding's masks, logit bias, the min_tokens mask,
+penalties, greedy, temperature, min_p, top-k, top-p, per-request generators; and the
+log-probabilities a request asks for.
 
-The order is vLLM V1's: bias and the min_tokens mask, then penalties (these change greedy
-choices too), then the argmax for greedy rows; sampled rows divide by their temperature, drop
-tokens under min_p, then outside top-k / top-p, and draw. Returned log-probabilities are the
-model's raw ones (before all of this), as `cumulative_logprob`.
+The order is vLLM V1's: guided rows' grammar masks (in place, before anything: they are the
+logits the model may choose from), bias and the min_tokens mask, then penalties (these change
+greedy choices too), then the argmax for greedy rows; sampled rows divide by their temperature,
+drop tokens under min_p, then outside top-k / top-p, and draw. Returned log-probabilities are
+the model's (after the grammar mask, before the rest), as `cumulative_logprob`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedattn.engine.grammar import GrammarMask
 from pagedattn.engine.logprobs import TopLogprobs, num_logprobs
 from pagedattn.engine.penalties import Penalties
 from pagedattn.engine.sampling_params import GREEDY_EPS, SamplingParams
@@ -32,6 +35,7 @@ class SamplingBatch:
     masked: (rows int64 [M], token ids int64 [M], countdown int64 [M]): the stop tokens (EOS
         unless ignore_eos, stop_token_ids) of rows under min_tokens, masked while countdown > step.
     penalties: the penalised rows' `Penalties`.
+    grammar: the guided rows' `GrammarMask` (filled from their completions' grammar matchers).
     logprob_rows, logprob_ks: the rows that return logprobs (host ints) and each one's top-k
         size; logprob_index: those rows on the device, None when they are every row.
     step: draws made with this batch so far (`advance`; multi-step decoding makes several).
@@ -48,6 +52,7 @@ class SamplingBatch:
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     masked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     penalties: Penalties | None = None
+    grammar: GrammarMask | None = None
     logprob_rows: tuple[int, ...] = ()
     logprob_ks: tuple[int, ...] = ()
     logprob_index: torch.Tensor | None = None
@@ -65,9 +70,10 @@ class SamplingBatch:
         eos_token_ids: frozenset[int] = frozenset(),
     ) -> SamplingBatch:
         """rows: (params, generator) per row. seqs[i]: the `Sequence` whose next token row i
-        draws (its tokens feed penalties, its output count min_tokens); needed when a row has
-        either. pending: int64 [R] on the device, each row's last token when the host does not
-        hold it yet (async scheduling: `seqs[i].token_ids` lacks it), else None."""
+        draws (its tokens feed penalties, its output count min_tokens, its grammar matcher the
+        guided mask); needed when a row has any. pending: int64 [R] on the device, each row's
+        last token when the host does not hold it yet (async scheduling: `seqs[i].token_ids`
+        lacks it), else None; never with guided rows (a mask needs the token before it)."""
         # One pass, plain attribute reads: this runs every step for every row.
         temps, top_k, top_p, min_p, extra = [], [], [], [], []
         for i, (p, _) in enumerate(rows):
@@ -82,7 +88,7 @@ class SamplingBatch:
                 top_p.append(float(p.top_p))
                 min_p.append(float(p.min_p))
             if (p.logit_bias or p.min_tokens or p.logprobs is not None or p.presence_penalty
-                    or p.frequency_penalty or p.repetition_penalty != 1.0):
+                    or p.frequency_penalty or p.repetition_penalty != 1.0 or p.guided_decoding is not None):
                 extra.append(i)
         all_greedy = not any(temps)
         batch = cls(temperatures=None, top_k=None, top_p=None, generators=[g for _, g in rows],
@@ -94,7 +100,7 @@ class SamplingBatch:
         if not all_greedy:
             s_options = stage.add(temps + top_k + top_p)
             s_min_p = stage.add(min_p) if any(min_p) else None
-        bias, masked, penalised, lp_rows = [], [], [], []
+        bias, masked, penalised, lp_rows, guided = [], [], [], [], []
         for i in extra:
             p = rows[i][0]
             if p.logit_bias:
@@ -108,6 +114,11 @@ class SamplingBatch:
                 penalised.append(i)
             if p.logprobs is not None:
                 lp_rows.append(i)
+            if p.guided_decoding is not None:
+                guided.append((i, seqs[i].grammar))
+        if guided:
+            assert pending is None, "steps with guided rows are not carried: their masks need the last token"
+            batch.grammar = GrammarMask.build(guided, vocab_size, device)
         if bias:
             s_bias = stage.add([x for column in zip(*bias) for x in column])
         if masked:
@@ -154,6 +165,7 @@ class SamplingBatch:
     def advance(self, tokens: torch.Tensor) -> None:
         """After a draw of tokens int64 [R] (multi-step decoding): each row has one more
         generated token."""
+        assert self.grammar is None, "guided rows draw one token per step (their masks need the last token)"
         self.step += 1
         if self.penalties is not None:
             self.penalties.add(tokens)
@@ -170,18 +182,21 @@ class Draws:
 
 
 class Sampler:
-    """`sample(logits [R, V] float32, batch) -> Draws`.
+    """`sample(logits [R, V] float32, batch) -> Draws`; guided rows of `logits` are masked in place.
 
     Sampling draws Exp(1) noise per row from the row's own generator and takes
     argmax(probs / noise), which is a draw from `probs`; so a seeded request gets the same
     tokens whatever else is in the batch. Log-probabilities are the model's (before bias,
-    penalties, temperature, min_p, top-k and top-p), for `cumulative_logprob` and `logprobs`.
+    penalties, temperature, min_p, top-k and top-p; after a guided row's grammar mask), for
+    `cumulative_logprob` and `logprobs`.
     """
 
     def __init__(self, default_generator: torch.Generator):
         self.default_generator = default_generator
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> Draws:
+        if batch.grammar is not None:
+            batch.grammar.apply(logits)
         processed = batch.process(logits)
         tokens = processed.argmax(dim=-1)  # [R]
         if not batch.all_greedy:

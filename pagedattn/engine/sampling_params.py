@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from collections.abc import Mapping
@@ -11,6 +12,83 @@ GREEDY_EPS = 1e-5  # a temperature below it is greedy
 # Options beam search cannot honour, with their neutral values (after normalisation).
 _BEAM_NEUTRAL = {"stop_token_ids": [], "min_tokens": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
                  "repetition_penalty": 1.0, "min_p": 0.0, "logit_bias": None, "logprobs": None}
+
+
+@dataclass
+class GuidedDecodingParams:
+    """What a completion's text must match (vLLM's guided decoding, through xgrammar). Exactly
+    one of:
+
+    json: a JSON schema (a dict, or its JSON text): the text is one JSON value valid under it.
+    json_object: True: the text is one JSON object (any; OpenAI's `json_object` format).
+    regex: the text matches this regular expression (xgrammar's syntax: ECMAScript-like).
+    choice: the text is exactly one of these strings.
+    grammar: the text is a sentence of this context-free grammar: xgrammar's EBNF (GBNF, rules
+        `name ::= ...`, starting at `root`), or Lark's syntax when it has no `::=` (as vLLM).
+    structural_tag: an xgrammar structural tag (its JSON text or a dict), e.g. tool calls.
+
+    backend: None, "auto" or "xgrammar" (the only one). disable_any_whitespace: JSON with xgrammar's
+    fixed separators (", " and ": ") instead of any whitespace between tokens.
+    Whether a schema or grammar compiles is known when the engine takes the request: one that
+    does not fails that request (finish_reason "error"), not the engine.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    structural_tag: str | dict | None = None
+    backend: str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [name for name in _GUIDE_KINDS if _is_set(getattr(self, name))]
+        if len(kinds) != 1:
+            raise ValueError(f"expected exactly one of {', '.join(_GUIDE_KINDS)} in guided decoding, got "
+                             f"{', '.join(kinds) if kinds else 'none'}")
+        for name in ("json", "structural_tag"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                try:
+                    json.loads(value)
+                except ValueError as e:
+                    raise ValueError(
+                        f"expected {name} to be a dict or its JSON text, got text that is not JSON: {e}"
+                    ) from None
+            elif value is not None and not isinstance(value, dict):
+                raise ValueError(f"expected {name} to be a dict or its JSON text, got {type(value).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"expected {name} to be a non-empty string, got {value!r:.80}")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not hasattr(self.choice, "__iter__"):
+                raise ValueError(f"expected choice to be a list of strings, got {self.choice!r:.80}")
+            self.choice = list(self.choice)
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError(
+                    f"expected choice to be a non-empty list of non-empty strings, got {self.choice!r:.80}"
+                )
+        for name in ("json_object", "disable_any_whitespace"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"expected {name} to be a bool, got {getattr(self, name)!r}")
+        if self.backend not in (None, "xgrammar", "auto"):
+            raise ValueError(
+                f"expected guided decoding backend None or 'xgrammar' (the only one), got {self.backend!r}"
+            )
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: "json", "json_object", "regex", "choice", "grammar" or "structural_tag"."""
+        return next(name for name in _GUIDE_KINDS if _is_set(getattr(self, name)))
+
+
+_GUIDE_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+def _is_set(value) -> bool:
+    return value is not None and value is not False
 
 
 @dataclass
@@ -33,22 +111,31 @@ class SamplingParams:
     repetition_penalty: > 0, over the prompt's and the generated tokens (transformers' / vLLM's):
         a positive logit of a token seen is divided by it, a negative one multiplied.
     min_p: in [0, 1]: after temperature, tokens with probability < min_p * the largest are dropped.
-    logit_bias: {token id: bias}, added to the logits before anything else; biases are clamped to
+    logit_bias: {token id: bias}, added to the logits first (after a guided mask); biases are clamped to
         [-100, 100] (as vLLM), keys may be ints or decimal strings (JSON's).
     logprobs: per generated token, return {token id: Logprob} of the drawn token and the
         `logprobs` most likely ones (-1: the whole vocabulary); prompt_logprobs: the same for each
         prompt token but the first (None). Log-probabilities are the model's (log_softmax of the
-        logits before bias, penalties and temperature), as `cumulative_logprob` and vLLM's default.
+        logits before bias, penalties and temperature; after a guided mask), as `cumulative_logprob`
+        and vLLM's default.
         Prompt logprobs need every prompt position computed: such requests never read the prefix
         cache (as vLLM).
-    Processing order (vLLM V1's): logit_bias, the min_tokens mask, penalties, then greedy argmax, or
-    temperature, min_p, top-k/top-p and a draw.
+    guided_decoding: a `GuidedDecodingParams`: each completion's text must match it (its own
+        grammar state per completion, `n`/`best_of` included). Tokens the grammar does not allow
+        next are masked (-inf) before anything else, so log-probabilities of guided requests are
+        over the allowed tokens (as vLLM V1's). When the grammar ends it allows only EOS, and
+        the EOS ends the completion (finish_reason "stop") even with `ignore_eos`; if `min_tokens`
+        masks that EOS, the completion ends there all the same. Steps holding guided rows are
+        never run ahead (async scheduling) or several at once (multi-step): each mask needs the
+        token before it.
+    Processing order (vLLM V1's): the guided mask, logit_bias, the min_tokens mask, penalties, then
+    greedy argmax, or temperature, min_p, top-k/top-p and a draw.
     use_beam_search: beam search of width `best_of or n`, scored like transformers'
         `num_beams` search (log-probabilities summed, divided by the number of generated tokens,
         `length_penalty=1.0`, `early_stopping=False`) over unscaled log-probabilities; it is
         deterministic, so top_k/top_p/seed are refused and temperature is not applied;
         stop strings are not supported with it, nor are stop_token_ids, min_tokens, penalties,
-        min_p, logit_bias and logprobs (prompt_logprobs are).
+        min_p, logit_bias, logprobs (prompt_logprobs are) and guided decoding.
     """
 
     n: int = 1
@@ -70,6 +157,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1)
@@ -112,7 +200,16 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < -1):
                 raise ValueError(f"expected {name} to be None, -1 (the whole vocabulary) or an int >= 0, got {value!r}")
+        if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
+            raise ValueError(f"expected guided_decoding to be a GuidedDecodingParams or None, got "
+                             f"{type(self.guided_decoding).__name__}")
         if self.use_beam_search:
+            if self.guided_decoding is not None:
+                raise ValueError(
+                    f"expected guided_decoding=None with use_beam_search (beams are scored on the model's whole "
+                    f"next-token distribution and fork every step; guided beams are not supported), got "
+                    f"guided_decoding with {self.guided_decoding.kind}"
+                )
             if self.top_k not in (-1, 0) or self.top_p != 1.0:
                 raise ValueError(
                     f"expected top_k=-1 and top_p=1.0 with use_beam_search (beam search is deterministic), "

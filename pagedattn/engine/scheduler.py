@@ -210,11 +210,12 @@ class Scheduler:
         on the device. That is the step `schedule` would make once `prev` is processed, unless
         what `prev` samples or the queues could change it: then None (and nothing is touched).
         None when requests wait or are swapped out, `prev` is multi-step, leaves a running
-        sequence out, ends a chunk before its sequence's last token, forks (`n`, beams) or runs
-        a beam search, or when the new slots would need more blocks than are free. A sequence
-        that `prev`'s token ends by length (`max_tokens`, the model's context) is left out; an
-        EOS or stop string found when `prev` is processed wastes that sequence's row of this step,
-        whose result for it is then dropped (it is finished)."""
+        sequence out, ends a chunk before its sequence's last token, forks (`n`, beams), runs
+        a beam search or guided decoding (its grammar mask needs the token), or when the new
+        slots would need more blocks than are free. A sequence that `prev`'s token ends by
+        length (`max_tokens`, the model's context) is left out; an EOS or stop string found when
+        `prev` is processed wastes that sequence's row of this step, whose result for it is then
+        dropped (it is finished)."""
         if self.lookahead or self.waiting or self.swapped or prev.num_steps > 1:
             return None
         live = [c for c in prev.chunks if not c.seq.is_finished]
@@ -224,7 +225,8 @@ class Scheduler:
         plan: list[tuple[SequenceGroup, Sequence, ScheduledSeq]] = []
         for c in live:
             seq, group = c.seq, c.group
-            if id(seq) not in running or not c.sample or group.is_beam or group.needs_fork:
+            if (id(seq) not in running or not c.sample or group.is_beam or group.needs_fork
+                    or group.params.guided_decoding is not None):
                 return None
             known = c.scheduled.seq_len  # the tokens `prev` computes; it samples token `known`
             assert len(seq) == known, (len(seq), c.scheduled)
@@ -419,7 +421,8 @@ class Scheduler:
         chunks = out.chunks
         if not self.lookahead or not chunks:
             return 1
-        if not out.is_decode_only or any(c.group.is_beam for c in chunks):
+        # a guided row's next mask needs the token drawn before it
+        if not out.is_decode_only or any(c.group.is_beam or c.group.params.guided_decoding is not None for c in chunks):
             return 1
         room = min(self.max_model_len - len(c.seq) + 1 for c in chunks)
         wanted = max(c.group.params.max_tokens - c.seq.num_output_tokens for c in chunks)

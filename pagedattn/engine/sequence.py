@@ -77,6 +77,8 @@ class Sequence:
         self.reads_prefix_cache = True  # False: every prompt position is computed (prompt logprobs)
         self.generator: torch.Generator | None = None
         self.detokenizer = None  # engine.detokenizer.IncrementalDetokenizer, when a tokenizer exists
+        # A guided request's xgrammar GrammarMatcher over this completion's output tokens (engine.grammar)
+        self.grammar = None
         # Prefix caching: how many leading blocks were offered to the hash table, and the hash
         # chain of full blocks of `token_ids` (content only, independent of physical blocks).
         self.num_registered_blocks = 0
@@ -159,10 +161,12 @@ class Sequence:
         child.generator = None
         child.output_logprobs = list(self.output_logprobs) if self.output_logprobs is not None else None
         child.detokenizer = copy.deepcopy(self.detokenizer) if self.detokenizer is not None else None
+        child.grammar = self.grammar.fork() if self.grammar is not None else None
         return child
 
     def reset_for_recompute(self) -> None:
-        """Forget the cache: every token (prompt and outputs so far) is computed again."""
+        """Forget the cache: every token (prompt and outputs so far) is computed again. The
+        tokens stay, and so does the grammar matcher's state over them."""
         self.num_computed_tokens = 0
         self.num_registered_blocks = 0
         self.block_table = []

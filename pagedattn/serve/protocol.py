@@ -2,9 +2,10 @@
 
 As vLLM does, a field this server does not know is accepted and ignored (`ignored_fields` names
 them; the server logs each name once), so clients written for OpenAI or vLLM keep working. A
-known option the engine cannot honour is refused, never answered as if applied: the ones that
-need guided decoding in one place (`refuse_unsupported`), the others where they are declared.
-Sampling options keep vLLM's names and map to `SamplingParams` (`serving.Serving`).
+known option the engine cannot honour is refused where it is declared, never answered as if
+applied. Sampling options keep vLLM's names and map to `SamplingParams` (`serving.Serving`);
+the fields of guided decoding (`response_format`, vLLM's `guided_*` and `structured_outputs`,
+chat's forcing `tool_choice`) map to one `GuidedDecodingParams` (`guided.guided_decoding`).
 `top_k`, `ignore_eos`, `add_generation_prompt`, `continue_final_message` and
 `chat_template_kwargs` are vLLM's extensions.
 """
@@ -63,9 +64,32 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(OpenAIModel):
+    """OpenAI's `response_format.json_schema`; `strict` or not, the schema is enforced."""
+
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(OpenAIModel):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(OpenAIModel):
+    """vLLM's `structured_outputs` (its newer name for the guided_* fields): one kind, and
+    `disable_any_whitespace` for JSON (xgrammar's fixed separators)."""
+
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None  # refused: xgrammar takes no whitespace pattern
 
 
 class _SamplingRequest(OpenAIModel):
@@ -88,12 +112,14 @@ class _SamplingRequest(OpenAIModel):
     stop_token_ids: list[int] | None = None
     prompt_logprobs: int | None = Field(None, ge=-1, le=MAX_LOGPROBS)  # vLLM's; -1: the whole vocabulary
     response_format: ResponseFormat | None = None
-    # vLLM's guided decoding: refused until it is implemented (`refuse_unsupported`)
-    guided_json: Any = None
+    # vLLM's guided decoding fields (`guided.guided_decoding`)
+    guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    structured_outputs: Any = None
+    guided_decoding_backend: str | None = None  # "xgrammar" (or "auto"): the only one
+    guided_whitespace_pattern: str | None = None  # refused: xgrammar takes no whitespace pattern
+    structured_outputs: StructuredOutputs | None = None
     # OpenAI's account and storage options: accepted, no effect on a self-hosted server
     user: str | None = None
     service_tier: str | None = None
@@ -103,23 +129,6 @@ class _SamplingRequest(OpenAIModel):
     @property
     def num_choices(self) -> int:
         return self.n or 1
-
-
-def refuse_unsupported(body: _SamplingRequest) -> None:
-    """The one place for options that need guided decoding (constrained sampling), which the
-    engine does not have yet: JSON response formats, vLLM's guided_* fields and tool_choice
-    "required" or a named function. Raise a 400 "not supported yet" for each."""
-    if body.response_format is not None and body.response_format.type != "text":
-        raise APIError(400, f"expected response_format type 'text', got {body.response_format.type!r}: "
-                       "JSON output needs guided decoding, which is not supported yet", param="response_format")
-    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
-        if getattr(body, name) is not None:
-            raise APIError(400, f"expected no {name}: guided decoding is not supported yet", param=name)
-    choice = getattr(body, "tool_choice", None)
-    if choice is not None and choice not in ("auto", "none"):
-        shown = choice if isinstance(choice, str) else f"function {choice.function.name!r}"
-        raise APIError(400, f"expected tool_choice 'auto' or 'none', got {shown}: forcing a tool call needs "
-                       "guided decoding, which is not supported yet", param="tool_choice")
 
 
 class CompletionRequest(_SamplingRequest):
@@ -244,8 +253,14 @@ class ChatCompletionRequest(_SamplingRequest, ChatTemplateOptions):
 
     @property
     def parses_tool_calls(self) -> bool:
-        """Tools were offered and the model may call them (OpenAI's default choice is "auto")."""
-        return bool(self.tools) and self.tool_choice in (None, "auto")
+        """Tools were offered and the model may (OpenAI's default choice, "auto") or must
+        ("required", a named function) call them."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forced_tool(self) -> str | None:
+        """The function a named `tool_choice` forces, else None."""
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
 
 
 # ---------------------------------------------------------------------- vLLM's /tokenize and /detokenize

@@ -29,6 +29,7 @@ class ReplyShape:
     n: int  # completions per prompt
     prompts: list[list[int]]  # each prompt's token ids, in prompt order
     tools: bool = False  # parse tool calls out of chat answers (Hermes style)
+    forced_tool: bool = False  # a named tool_choice: its answer finishes as "stop" (OpenAI's, vLLM's), not "tool_calls"
     parallel_tool_calls: bool = True  # False: each answer's first call only
     logprobs: int | None = None  # completions' `logprobs`, chat's `top_logprobs` (0: logprobs=true alone)
     echo: list[str] | None = None  # completions' echo: each prompt's text
@@ -112,7 +113,7 @@ class Reply:
                 calls = calls if self.shape.parallel_tool_calls else calls[:1]
                 message = {"role": "assistant", "content": content,
                            "tool_calls": [{"id": tool_call_id(), "type": "function", "function": f} for f in calls]}
-                finish_reason = "tool_calls"
+                finish_reason = finish_reason if self.shape.forced_tool else "tool_calls"
         logprobs = None
         if self.shape.logprobs is not None:
             logprobs = {"content": chat_logprobs(c.token_ids, c.logprobs or [], self.shape.logprobs)}
@@ -186,7 +187,9 @@ class Reply:
         state.done = finished
         new_ids, new_positions = token_ids[state.tokens:], positions[state.tokens:]
         state.tokens = len(token_ids)
-        finish_reason = ("tool_calls" if state.called else c.finish_reason) if finished else None
+        finish_reason = None
+        if finished:
+            finish_reason = "tool_calls" if state.called and not shape.forced_tool else c.finish_reason
         stop_reason = c.stop_reason if finished else None
         if not shape.chat:
             logprobs = None

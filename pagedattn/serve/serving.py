@@ -17,18 +17,14 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from pagedattn.engine.grammar import GrammarError
 from pagedattn.engine.outputs import RequestOutput
-from pagedattn.engine.sampling_params import SamplingParams
+from pagedattn.engine.sampling_params import GuidedDecodingParams, SamplingParams
 from pagedattn.intmath import cdiv
 from pagedattn.serve import MAX_WAITING
 from pagedattn.serve.async_engine import AsyncEngine, EngineDeadError, EngineRequest
-from pagedattn.serve.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    ignored_fields,
-    refuse_unsupported,
-)
+from pagedattn.serve.guided import guided_decoding
+from pagedattn.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, ignored_fields
 from pagedattn.serve.responses import Reply, ReplyShape
 
 logger = logging.getLogger(__name__)
@@ -58,6 +54,7 @@ class Serving:
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
         self.vocab_size = engine.engine.spec.vocab_size
+        self.grammars = engine.engine.grammars  # thread-safe, apart from the engine's state
         self._block_size = engine.engine.block_manager.block_size
         self._num_blocks = engine.engine.block_manager.num_blocks
         self._warned: set[str] = set()
@@ -120,7 +117,7 @@ class Serving:
                            param="max_tokens")
         return max_tokens
 
-    def _sampling_params(self, body, max_tokens: int) -> SamplingParams:
+    def _sampling_params(self, body, max_tokens: int, guided: GuidedDecodingParams | None) -> SamplingParams:
         """The engine's options for `body` (a prompt of it that may generate `max_tokens`)."""
         logprobs, prompt_logprobs = _logprobs(body)
         try:
@@ -131,7 +128,7 @@ class Serving:
                 presence_penalty=_or(body.presence_penalty, 0.0), frequency_penalty=_or(body.frequency_penalty, 0.0),
                 repetition_penalty=_or(body.repetition_penalty, 1.0), min_p=_or(body.min_p, 0.0),
                 min_tokens=body.min_tokens, stop_token_ids=body.stop_token_ids, logit_bias=body.logit_bias,
-                logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs, guided_decoding=guided,
             )
         except ValueError as e:
             raise APIError(400, str(e), param=_named_param(str(e))) from None
@@ -147,8 +144,8 @@ class Serving:
         """Answer `body` (its model already checked) for `prompts` (token ids, one per prompt);
         `echo`: each prompt's text, when the answer starts with it."""
         chat = isinstance(body, ChatCompletionRequest)
-        refuse_unsupported(body)
         self.warn_ignored(body)
+        guided = await self._guided_decoding(body)
         n = body.num_choices
         best_of = getattr(body, "best_of", None)
         if body.stream and best_of is not None and best_of > n:
@@ -158,7 +155,7 @@ class Serving:
             raise APIError(400, "expected max_tokens >= 1, or 0 with echo (the prompt alone), got 0",
                            param="max_tokens")
         # max_tokens=0 with echo: the prompt's log-probabilities need a step; its token is not answered
-        params = [self._sampling_params(body, self._max_tokens(len(p), max_tokens if generate else 1, chat))
+        params = [self._sampling_params(body, self._max_tokens(len(p), max_tokens if generate else 1, chat), guided)
                   for p in prompts]
         if self.engine.dead is not None:
             raise APIError(503, f"expected a running engine, got: {self.engine.dead}", type="server_error")
@@ -171,7 +168,7 @@ class Serving:
         requests = [EngineRequest(f"{request_id}-{p}", ids, sp) for p, (ids, sp) in enumerate(zip(prompts, params))]
         tools = chat and body.parses_tool_calls
         shape = ReplyShape(
-            chat=chat, n=n, prompts=prompts, tools=tools,
+            chat=chat, n=n, prompts=prompts, tools=tools, forced_tool=tools and body.forced_tool is not None,
             parallel_tool_calls=not tools or body.parallel_tool_calls is not False,
             logprobs=params[0].logprobs, echo=echo, generate=generate,
             prompt_logprobs=body.prompt_logprobs is not None,
@@ -188,6 +185,19 @@ class Serving:
             if out.error is not None:
                 raise APIError(400, out.error)
         return reply.whole(outs)
+
+    async def _guided_decoding(self, body) -> GuidedDecodingParams | None:
+        """The request's guided decoding, compiled once here (off the event loop; the engine's
+        compiler caches it) so that a spec xgrammar refuses is a 400 naming its field."""
+        found = guided_decoding(body)
+        if found is None:
+            return None
+        spec, param = found
+        try:
+            await asyncio.to_thread(self.grammars.compile, spec)
+        except GrammarError as e:
+            raise APIError(400, str(e), param=param) from None
+        return spec
 
 
 def _or(value, default):

@@ -8,8 +8,6 @@ import logging
 import time
 
 import httpx
-import openai
-import pytest
 
 from pagedattn.engine.sampling_params import SamplingParams
 
@@ -41,20 +39,6 @@ def test_unknown_fields_are_ignored_and_logged_once(server, caplog):
             user="u1",
         )
     assert out.usage.completion_tokens == 2 and not caplog.records
-
-
-@pytest.mark.parametrize("kwargs, param", [
-    (dict(response_format={"type": "json_object"}), "response_format"),
-    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}), "response_format"),
-    (dict(tool_choice="required", tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),
-    (dict(extra_body={"guided_json": {"type": "object"}}), "guided_json"),
-])
-def test_guided_decoding_is_not_supported_yet(server, kwargs, param):
-    with pytest.raises(openai.BadRequestError) as e:
-        server.client().chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}],
-                                                max_tokens=2, **kwargs)
-    error = e.value.response.json()["error"]
-    assert error["param"] == param and "not supported yet" in error["message"]
 
 
 def test_prompt_lists_and_n(server, reference):
