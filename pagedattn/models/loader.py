@@ -24,7 +24,7 @@ from torch import nn
 from pagedattn.layer import attention_impls
 from pagedattn.models import ARCHITECTURES, UnsupportedModelError, get_model_cls
 from pagedattn.models.default import default_model_path
-from pagedattn.models.gguf_file import read_gguf
+from pagedattn.models.cache import cache_dir, read_gguf_cached
 from pagedattn.models.layers import head_size_of, layer_sliding_windows
 
 HF_EXTRA_MODULES = ("transformers", "tokenizers", "safetensors", "gguf", "jinja2")
@@ -159,6 +159,7 @@ class LoadedModel:
 def load_model(
     model: str | os.PathLike | None = None,
     *,
+    tokenizer: str | os.PathLike | None = None,
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     attention_backend: str = "auto",
@@ -169,6 +170,8 @@ def load_model(
 
     model: None (the embedded SmolLM2-135M-Instruct GGUF), a folder with `config.json` and
         `*.safetensors`, a `.gguf` file, or a Hugging Face Hub id (see `resolve_model_path`).
+    tokenizer: where the tokenizer (and its chat template) comes from instead, the same kinds
+        of source as `model` (None: the model's own).
     max_model_len: caps the spec's context (None: the model's own; larger is refused).
     dtype: a torch dtype or its name; "auto" is float32 on the CPU and otherwise the config's
         half-precision dtype (bfloat16 when the config names none or float32).
@@ -177,8 +180,8 @@ def load_model(
     supported architectures, ValueError for pickle-only or mismatching weights,
     MissingExtraError without the `[hf]` extra.
     """
-    require_hf_extra(gguf=model is None or str(model).endswith(".gguf"))
-    from transformers import AutoConfig, AutoTokenizer
+    require_hf_extra(gguf=model is None or any(str(m).endswith(".gguf") for m in (model, tokenizer) if m is not None))
+    from transformers import AutoConfig
 
     device = _resolve_device(device)
     path = resolve_model_path(model)
@@ -190,17 +193,16 @@ def load_model(
         architecture = _hf_architecture(config)
         files = _safetensors_files(path)
         weights = _safetensors_weights(files)
-        tokenizer = AutoTokenizer.from_pretrained(path)
         extra_eos = _generation_eos(path)
     elif path.suffix == ".gguf":
-        config, architecture, weights = read_gguf(path)
-        tokenizer = _gguf_tokenizer(path)
+        config, architecture, weights = read_gguf_cached(path)
         extra_eos = ()
     else:
         raise ValueError(
             f"expected a model folder or a .gguf file, got the file {str(path)!r}"
         )
 
+    tokenizer = load_tokenizer(path if tokenizer is None else tokenizer)
     cls = get_model_cls(architecture)
     dtype = _resolve_dtype(dtype, config, device)
     net = build_model(architecture, config, device=device, dtype=dtype, attention_backend=attention_backend,
@@ -241,6 +243,18 @@ def capped(spec: ModelSpec, max_model_len: int | None) -> ModelSpec:
     return dataclasses.replace(spec, max_model_len=max_model_len)
 
 
+def load_tokenizer(source: str | os.PathLike):
+    """The tokenizer of a model folder, a `.gguf` file or a Hub id (see `resolve_model_path`)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(source)
+    if path.suffix == ".gguf" and path.is_file():
+        return _gguf_tokenizer(path)
+    if not path.is_dir():
+        raise ValueError(f"expected a tokenizer folder, a .gguf file or a Hub id, got the file {str(path)!r}")
+    return AutoTokenizer.from_pretrained(path)
+
+
 def _gguf_tokenizer(path: Path):
     """The tokenizer of a GGUF file. transformers builds it by parsing the file's metadata again
     (seconds: the token lists), so it is built once per file and kept as `tokenizer.json` under
@@ -273,12 +287,8 @@ def _gguf_tokenizer(path: Path):
 
 
 def tokenizer_cache_dir() -> Path:
-    """Where GGUF tokenizers are kept: `$PAGEDATTN_CACHE/gguf-tokenizers`, else under
-    `$XDG_CACHE_HOME/pagedattn` (default `~/.cache/pagedattn`)."""
-    root = os.environ.get("PAGEDATTN_CACHE")
-    if not root:
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedattn"
-    return Path(root).expanduser() / "gguf-tokenizers"
+    """Where GGUF tokenizers are kept: `cache_dir() / "gguf-tokenizers"`."""
+    return cache_dir() / "gguf-tokenizers"
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:
