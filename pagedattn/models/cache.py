@@ -6,7 +6,8 @@ lists: ~100k small arrays) and dequantising every tensor in NumPy (SmolLM2-135M:
 read: the transformers config (`config.json`) and the float32 weights under Hugging Face names,
 llama.cpp's conversions undone (`*.safetensors` shards, written as the model consumes them, so
 no second copy of the weights is held), in `cache_dir() / "gguf-weights" / <key>`; later loads
-read that folder instead (memory-mapped safetensors: a fraction of a second). The key is the
+read that folder instead (memory-mapped safetensors: a fraction of a second; the config as a
+`KeptConfig`, without transformers' config classes). The key is the
 file's resolved path, size and modification time, transformers' version and `FORMAT`; a folder
 appears whole or not at all (written under a temporary name, then renamed). A GGUF whose
 float32 weights exceed `MAX_BYTES` is not kept (a 7B model would take 28 GB), nor is anything
@@ -16,9 +17,11 @@ when the cache cannot be written: the load goes on from the file.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,8 +29,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1
-"""Bump when what `read_gguf` yields changes (names, conversions): older folders are not read."""
+FORMAT = 2
+"""Bump when what is kept changes (names, conversions, the config's form): older folders are not read."""
 MAX_BYTES = 4 << 30
 """The largest float32 checkpoint kept (SmolLM2-135M: 0.54 GB)."""
 _SHARD_BYTES = 64 << 20  # weights held back before a shard is written
@@ -49,10 +52,9 @@ def read_gguf_cached(path: Path) -> tuple[object, str, Iterator[tuple[str, torch
     folder = _folder(path)
     if (folder / "config.json").is_file():
         from safetensors import SafetensorError, safe_open
-        from transformers import AutoConfig
 
         try:
-            config = AutoConfig.from_pretrained(folder)
+            config = KeptConfig(**json.loads((folder / "config.json").read_text()))
             architecture = GGUF_MODEL_TYPES[config.model_type]
             shards = sorted(folder.glob("*.safetensors"))
             if not shards:
@@ -61,11 +63,20 @@ def read_gguf_cached(path: Path) -> tuple[object, str, Iterator[tuple[str, torch
                 with safe_open(str(shard), framework="pt", device="cpu"):
                     pass
             return config, architecture, _read(shards)
-        except (OSError, ValueError, KeyError, SafetensorError) as e:  # damaged: read the file again, keep it anew
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, SafetensorError) as e:  # damaged: read the file again, keep it anew
             logger.warning("ignoring the damaged GGUF cache %s (%s)", folder, e)
             shutil.rmtree(folder, ignore_errors=True)
     config, architecture, weights = read_gguf(path)
     return config, architecture, _kept(weights, config, folder)
+
+
+class KeptConfig(types.SimpleNamespace):
+    """A GGUF's transformers config read back from the cache: every attribute it had, defaults
+    and derived ones included (what the models read), without importing its class: transformers'
+    config modules import torch.distributed and sympy, about a second of a start-up."""
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
 
 
 def _folder(path: Path) -> Path:
@@ -152,8 +163,9 @@ class _ShardWriter:
             return
         if self.shard:
             self._flush()
-        # config.json last: the folder is complete once it is there, and renamed into place whole
-        if self.ok and self._try(lambda: config.save_pretrained(self.tmp)):
+        # config.json last (all of it, not only what differs from the class's defaults, which
+        # `KeptConfig` does not know); the folder is renamed into place whole
+        if self.ok and self._try(lambda: config.to_json_file(self.tmp / "config.json", use_diff=False)):
             if self._try(lambda: self.tmp.rename(self.folder)):
                 logger.info("kept the dequantised GGUF in %s", self.folder)
                 self._drop_stale()

@@ -9,6 +9,7 @@ model's feature extractor, from the folder's `preprocessor_config.json`); the we
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -181,12 +182,12 @@ def load_model(
     MissingExtraError without the `[hf]` extra.
     """
     require_hf_extra(gguf=model is None or any(str(m).endswith(".gguf") for m in (model, tokenizer) if m is not None))
-    from transformers import AutoConfig
-
     device = _resolve_device(device)
     path = resolve_model_path(model)
     folder = path if path.is_dir() else None
     if folder is not None:
+        from transformers import AutoConfig
+
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"expected a Hugging Face config.json in {str(path)!r}")
         config = AutoConfig.from_pretrained(path)
@@ -221,7 +222,7 @@ def build_model(architecture: str, config, *, device: torch.device, dtype: torch
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), _no_random_init():
             net = get_model_cls(architecture)(config, attention_backend=attention_backend,
                                               kv_cache_dtype=kv_cache_dtype)
     finally:
@@ -230,6 +231,18 @@ def build_model(architecture: str, config, *, device: torch.device, dtype: torch
     for impl in attention_impls(net):  # backends that plan ahead (FlashInfer) plan from step one
         impl.set_query_dtype(dtype)
     return net
+
+
+@contextlib.contextmanager
+def _no_random_init():
+    """nn.Linear and nn.Embedding draw random initial weights (1.5 s of SmolLM2-135M's start-up
+    on a CPU), which `load_weights` overwrites and refuses to leave unloaded: skip the draw."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
 
 
 def capped(spec: ModelSpec, max_model_len: int | None) -> ModelSpec:
@@ -245,13 +258,13 @@ def capped(spec: ModelSpec, max_model_len: int | None) -> ModelSpec:
 
 def load_tokenizer(source: str | os.PathLike):
     """The tokenizer of a model folder, a `.gguf` file or a Hub id (see `resolve_model_path`)."""
-    from transformers import AutoTokenizer
-
     path = resolve_model_path(source)
     if path.suffix == ".gguf" and path.is_file():
         return _gguf_tokenizer(path)
     if not path.is_dir():
         raise ValueError(f"expected a tokenizer folder, a .gguf file or a Hub id, got the file {str(path)!r}")
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -262,16 +275,17 @@ def _gguf_tokenizer(path: Path):
     import hashlib
 
     import transformers
-    from transformers import AutoTokenizer
 
     stat = path.resolve().stat()
     key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
     folder = tokenizer_cache_dir() / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if (folder / "tokenizer_config.json").is_file():
         try:
-            return AutoTokenizer.from_pretrained(folder)
+            return _kept_tokenizer(folder)
         except (OSError, ValueError):  # a damaged cache entry: build it again below
             pass
+    from transformers import AutoTokenizer
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except (TypeError, ValueError, KeyError) as e:  # transformers' GGUF conversion, not our code
@@ -284,6 +298,23 @@ def _gguf_tokenizer(path: Path):
     except OSError:  # a read-only cache: the next start-up parses again, nothing worse
         pass
     return tokenizer
+
+
+_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+"""transformers' tokenizer classes that are not a model family's: a kept GGUF tokenizer is one."""
+
+
+def _kept_tokenizer(folder: Path):
+    """A tokenizer that `_gguf_tokenizer` saved, loaded by the class it was saved as when that is
+    a generic one: AutoTokenizer would first index every model family of transformers (reading
+    ~1,700 files, about a second of a start-up) to find it."""
+    import transformers
+
+    name = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    cls = getattr(transformers, name, None) if name in _GENERIC_TOKENIZERS else None
+    if cls is None:
+        from transformers import AutoTokenizer as cls
+    return cls.from_pretrained(folder)
 
 
 def tokenizer_cache_dir() -> Path:

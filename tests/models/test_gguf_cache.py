@@ -3,6 +3,9 @@ file, to the same model; a folder appears whole or not at all, and only when it 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -52,8 +55,8 @@ def test_second_load_reads_the_cache_to_the_same_model(gguf_path, tmp_path, monk
         kept_config, architecture, _ = cache.read_gguf_cached(gguf_path)
     file_config, file_architecture, _ = gguf_file.read_gguf(gguf_path)
     assert architecture == file_architecture
-    assert ({k: v for k, v in kept_config.to_dict().items() if k != "_name_or_path"}
-            == {k: v for k, v in file_config.to_dict().items() if k != "_name_or_path"})
+    # every attribute the models may read, as JSON has them (int dict keys become strings)
+    assert kept_config.to_dict() == json.loads(file_config.to_json_string(use_diff=False))
     want, got = first.model.state_dict(), second.model.state_dict()
     assert want.keys() == got.keys()
     for name in want:
@@ -99,3 +102,27 @@ def test_a_damaged_entry_is_rebuilt(gguf_path, tmp_path):
     got = _load(gguf_path).model.state_dict()
     assert all(torch.equal(want[k], got[k]) for k in want)
     assert _kept(tmp_path) == [kept]
+
+
+def test_a_kept_gguf_starts_without_the_slow_imports(gguf_path, tmp_path):
+    """From the cache, a GGUF model answers without transformers' model index (~1,700 files read),
+    transformers' config classes (torch.distributed, sympy) or torch._dynamo (the custom op's
+    registration): each cost a second or more of a CPU start-up."""
+    import os
+    import subprocess
+    import sys
+
+    _load(gguf_path)  # keeps it
+    script = (
+        "import sys; from pagedattn import LLM, SamplingParams; "
+        f"llm = LLM({str(gguf_path)!r}, device='cpu', backend='torch'); "
+        "out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1), use_tqdm=False); "
+        "assert out[0].outputs[0].token_ids, out; "
+        "print(sorted(m for m in ('transformers.models', 'torch._dynamo', 'sympy', 'torch.distributed.tensor') "
+        "if m in sys.modules))"
+    )
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PAGEDATTN_CACHE": str(tmp_path / "cache"), "PYTHONPATH": root}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
