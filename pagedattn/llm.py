@@ -237,7 +237,8 @@ def _conversations(messages) -> list[list[Message]]:
         return [list(messages)]
     for i, conversation in enumerate(messages):
         if isinstance(conversation, (str, dict)) or not isinstance(conversation, Sequence) or not conversation:
-            raise ValueError(f"expected conversation {i} to be a non-empty list of message dicts, got {conversation!r:.60}")
+            raise ValueError(f"expected conversation {i} to be a non-empty list of message dicts, "
+                             f"got {conversation!r:.60}")
     return [list(c) for c in messages]
 
 
@@ -313,8 +314,10 @@ class _ProgressBar:
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         prompt_tokens = sum(len(g.prompt_token_ids) for g in done)
         output_tokens = sum(s.num_output_tokens for g in done for s in g.seqs)
-        postfix = f"est. speed input: {prompt_tokens / elapsed:.2f} toks/s, output: {output_tokens / elapsed:.2f} toks/s"
-        prefilling = [g for g in groups if not g.is_finished and g.seqs[0].num_computed_tokens < len(g.prompt_token_ids)]
+        postfix = (f"est. speed input: {prompt_tokens / elapsed:.2f} toks/s, "
+                   f"output: {output_tokens / elapsed:.2f} toks/s")
+        prefilling = [g for g in groups
+                      if not g.is_finished and g.seqs[0].num_computed_tokens < len(g.prompt_token_ids)]
         if prefilling:
             computed = sum(g.seqs[0].num_computed_tokens for g in prefilling)
             postfix = f"prefill: {computed}/{sum(len(g.prompt_token_ids) for g in prefilling)} tokens, {postfix}"

@@ -10,6 +10,8 @@ reads `chat_template(args)`: the template text, or None for the model's own.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import re
 import secrets
 import sys
@@ -74,7 +76,8 @@ def chat_template(args: argparse.Namespace) -> str | None:
         try:
             template = utf8(path.read_bytes(), f"--chat-template {value}")
         except OSError as e:
-            raise UsageError(f"expected --chat-template to be a readable file or a template, got {value!r} ({e})") from None
+            raise UsageError(f"expected --chat-template to be a readable file or a template, got {value!r} ({e})"
+                             ) from None
     elif any(c in value for c in "{}\n"):
         template = utf8(value, "--chat-template")
     else:
@@ -165,16 +168,30 @@ def engine_config(args: argparse.Namespace):
 
 
 def load_llm(config):
-    """The LLM of an `engine_config(args)`."""
+    """The LLM of an `engine_config(args)`, loaded with the garbage collector paused: loading
+    (transformers' import, the tokenizer, the model) makes a million long-lived objects, and the
+    collections that their number triggers find no garbage among them (a second of a CPU start-up)."""
     from pagedattn.llm import LLM
 
-    return LLM(
-        config.model, tokenizer=config.tokenizer, backend=config.backend, device=config.device, dtype=config.dtype,
-        kv_cache_dtype=config.kv_cache_dtype, max_model_len=config.max_model_len,
-        num_kv_blocks=config.num_kv_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens, enforce_eager=config.enforce_eager,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-    )
+    with _collector_paused():
+        return LLM(
+            config.model, tokenizer=config.tokenizer, backend=config.backend, device=config.device,
+            dtype=config.dtype, kv_cache_dtype=config.kv_cache_dtype, max_model_len=config.max_model_len,
+            num_kv_blocks=config.num_kv_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, enforce_eager=config.enforce_eager,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+        )
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def utf8(text: str | bytes, what: str) -> str:
@@ -185,7 +202,8 @@ def utf8(text: str | bytes, what: str) -> str:
         try:
             return text.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise UsageError(f"expected UTF-8 text in {what}, got the byte 0x{text[e.start]:02x} at byte {e.start}") from None
+            bad = f"the byte 0x{text[e.start]:02x} at byte {e.start}"
+            raise UsageError(f"expected UTF-8 text in {what}, got {bad}") from None
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:  # a lone surrogate: a byte that was not UTF-8

@@ -63,7 +63,8 @@ def read_gguf_cached(path: Path) -> tuple[object, str, Iterator[tuple[str, torch
                 with safe_open(str(shard), framework="pt", device="cpu"):
                     pass
             return config, architecture, _read(shards)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, SafetensorError) as e:  # damaged: read the file again, keep it anew
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, SafetensorError) as e:
+            # damaged: read the file again, keep it anew
             logger.warning("ignoring the damaged GGUF cache %s (%s)", folder, e)
             shutil.rmtree(folder, ignore_errors=True)
     config, architecture, weights = read_gguf(path)
@@ -98,7 +99,7 @@ def _read(shards: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
     for shard in shards:
         with safe_open(str(shard), framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open has keys(), no __iter__)
                 yield name, f.get_tensor(name)
 
 
@@ -165,10 +166,11 @@ class _ShardWriter:
             self._flush()
         # config.json last (all of it, not only what differs from the class's defaults, which
         # `KeptConfig` does not know); the folder is renamed into place whole
-        if self.ok and self._try(lambda: config.to_json_file(self.tmp / "config.json", use_diff=False)):
-            if self._try(lambda: self.tmp.rename(self.folder)):
-                logger.info("kept the dequantised GGUF in %s", self.folder)
-                self._drop_stale()
+        kept = (self.ok and self._try(lambda: config.to_json_file(self.tmp / "config.json", use_diff=False))
+                and self._try(lambda: self.tmp.rename(self.folder)))
+        if kept:
+            logger.info("kept the dequantised GGUF in %s", self.folder)
+            self._drop_stale()
 
     def _drop_stale(self) -> None:
         """Remove the folders of earlier versions of the same file (same path, other key)."""

@@ -24,8 +24,8 @@ from torch import nn
 
 from pagedattn.layer import attention_impls
 from pagedattn.models import ARCHITECTURES, UnsupportedModelError, get_model_cls
-from pagedattn.models.default import default_model_path
 from pagedattn.models.cache import cache_dir, read_gguf_cached
+from pagedattn.models.default import default_model_path
 from pagedattn.models.layers import head_size_of, layer_sliding_windows
 
 HF_EXTRA_MODULES = ("transformers", "tokenizers", "safetensors", "gguf", "jinja2")

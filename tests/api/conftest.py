@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from tiny_models import save_tiny_chat_llama
 
 

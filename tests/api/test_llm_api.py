@@ -6,9 +6,9 @@ from __future__ import annotations
 import io
 
 import pytest
+from tiny_models import CHAT_TEMPLATE
 
 from pagedattn import SamplingParams
-from tiny_models import CHAT_TEMPLATE
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 

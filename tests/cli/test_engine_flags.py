@@ -9,11 +9,11 @@ import json
 
 import pytest
 import torch
+from tiny_models import VOCAB
 
 import pagedattn.cli.chat as chat
 from pagedattn.cli import main
 from pagedattn.cli.model_args import add_chat_template_argument, add_model_arguments, chat_template, engine_config
-from tiny_models import VOCAB
 
 
 class _Pipe(io.StringIO):

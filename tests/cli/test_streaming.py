@@ -47,7 +47,7 @@ def _streamed(llm, prompt: str, params: SamplingParams) -> tuple[str, list[str]]
 
 
 def test_streamed_text_equals_the_final_text_with_stop_strings(llm):
-    greedy = dict(temperature=0, max_tokens=24)
+    greedy = {"temperature": 0, "max_tokens": 24}
     [full] = llm.generate("hello", SamplingParams(**greedy))
     text = full.outputs[0].text
     assert len(text) > 12, text

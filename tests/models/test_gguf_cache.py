@@ -88,7 +88,7 @@ def test_nothing_is_kept_when_it_cannot_be(gguf_path, tmp_path, monkeypatch):
 
 
 def test_a_load_that_stops_early_leaves_no_folder(gguf_path, tmp_path, monkeypatch):
-    config, architecture, weights = cache.read_gguf_cached(gguf_path)
+    _, _, weights = cache.read_gguf_cached(gguf_path)
     next(weights)
     weights.close()  # the model refused a weight, say
     assert _kept(tmp_path) == []
