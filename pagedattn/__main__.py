@@ -1,8 +1,6 @@
 """`python -m pagedattn ...`: the same command line as the `pagedattn` console script."""
 
-import sys
-
-from pagedattn.cli import main
+from pagedattn.cli import entry_point
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry_point()

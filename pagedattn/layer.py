@@ -79,7 +79,6 @@ _layers: weakref.WeakValueDictionary[int, Attention] = weakref.WeakValueDictiona
 _ids = itertools.count()
 
 
-@torch.library.custom_op("pagedattn::attention", mutates_args=())
 def _attention(query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, layer_id: int) -> torch.Tensor:
     layer = _layers.get(layer_id)
     if layer is None:
@@ -87,10 +86,18 @@ def _attention(query: torch.Tensor, key: torch.Tensor | None, value: torch.Tenso
     return layer.run(query, key, value, get_forward_context())
 
 
-@_attention.register_fake
-def _(query, key, value, layer_id):
+def _attention_fake(query, key, value, layer_id):
     width = query.shape[1] * query.shape[2] if query.dim() == 3 else query.shape[1]
     return query.new_empty(query.shape[0], width)
+
+
+# Registered straight with the dispatcher (as vLLM's direct_register_custom_op does), not with
+# torch.library.custom_op: that one wraps the kernel in torch._disable_dynamo, whose first call
+# imports torch._dynamo (with sympy: 1-4 s of a CPU start-up) even when nothing is compiled.
+_LIBRARY = torch.library.Library("pagedattn", "DEF")
+_LIBRARY.define("attention(Tensor query, Tensor? key, Tensor? value, int layer_id) -> Tensor")
+_LIBRARY.impl("attention", _attention, "CompositeExplicitAutograd")
+torch.library.register_fake("pagedattn::attention", _attention_fake, lib=_LIBRARY)
 
 
 ATTENTION_OP = torch.ops.pagedattn.attention

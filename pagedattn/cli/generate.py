@@ -14,11 +14,14 @@ import time
 
 from pagedattn.cli.model_args import (
     UsageError,
+    add_chat_template_argument,
     add_model_arguments,
     add_sampling_arguments,
+    chat_template,
     engine_config,
     load_llm,
     sampling_params,
+    utf8,
 )
 from pagedattn.cli.streaming import chat_prompt, stream
 
@@ -34,6 +37,7 @@ def add_parser(sub) -> None:
     gen.add_argument("prompts", nargs="*", metavar="PROMPT", help=f"default: {DEFAULT_PROMPT!r}")
     gen.add_argument("--system", default=None, help="a system message (through the chat template)")
     gen.add_argument("--no-chat-template", action="store_true", help="send the prompts as they are")
+    add_chat_template_argument(gen)
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout (JSON Lines)")
     gen.add_argument(
         "--audio", action="append", default=None, metavar="WAV",
@@ -41,36 +45,50 @@ def add_parser(sub) -> None:
              "PROMPT, if given, is the decoder prompt",
     )
     add_sampling_arguments(gen, max_tokens=64)
-    add_model_arguments(gen)
+    add_model_arguments(gen, max_num_seqs=256)
     gen.set_defaults(run=run)
 
 
 def read_prompts(prompts: list[str], stdin=None) -> list[str]:
     """The prompts of the command line: `-` is stdin's text; no prompt at all is stdin's text
-    when stdin is a pipe or file that is not empty, else DEFAULT_PROMPT."""
+    when stdin is a pipe or file that is not empty, else DEFAULT_PROMPT. Text that is not UTF-8
+    is a UsageError."""
     stdin = sys.stdin if stdin is None else stdin
+    for i, p in enumerate(prompts):
+        utf8(p, f"PROMPT {i + 1}")
     if "-" in prompts:
         if prompts.count("-") > 1:
             raise UsageError("expected `-` (the prompt from stdin) at most once, got it several times")
-        text = stdin.read().strip()
+        text = read_stdin(stdin).strip()
         if not text:
             raise UsageError("expected a prompt on stdin for `-`, got nothing")
         return [text if p == "-" else p for p in prompts]
     if prompts:
         return prompts
     if stdin is not None and not stdin.isatty():
-        text = stdin.read().strip()
+        text = read_stdin(stdin).strip()
         if text:
             return [text]
     return [DEFAULT_PROMPT]
+
+
+def read_stdin(stdin) -> str:
+    """All of stdin's text, refused (UsageError) unless it is UTF-8."""
+    raw = getattr(stdin, "buffer", None)
+    return utf8(raw.read() if raw is not None else stdin.read(), "stdin")
 
 
 def run(args: argparse.Namespace) -> int:
     """Answer the prompts with the options above; the exit status is 1 when any request failed."""
     params = sampling_params(args)  # every check before the model loads
     config = engine_config(args)
+    template = chat_template(args)
     if args.system is not None and args.no_chat_template:
         raise UsageError("expected --system without --no-chat-template (the system message needs the template)")
+    if template is not None and args.no_chat_template:
+        raise UsageError("expected --chat-template or --no-chat-template, got both")
+    if args.system is not None:
+        utf8(args.system, "--system")
     if args.audio:
         if args.system is not None or len(args.prompts) > 1:
             raise UsageError("expected at most one PROMPT (the decoder prompt) and no --system with --audio")
@@ -80,12 +98,12 @@ def run(args: argparse.Namespace) -> int:
         questions = read_prompts(args.prompts)
     llm = load_llm(config)
     engine = llm.engine
-    prompts = _audio_prompts(args, audios, llm) if args.audio else _text_prompts(args, questions, llm)
+    prompts = _audio_prompts(args, audios, llm) if args.audio else _text_prompts(args, questions, llm, template)
     start = time.perf_counter()
     if len(prompts) == 1 and params.n == 1 and not args.json:
-        outputs = [stream(engine, prompts[0], params)]
+        outputs = [stream(engine, prompts[0], params).output]
     else:
-        outputs = engine.generate(prompts, [params] * len(prompts), use_tqdm=len(prompts) > 1 and sys.stderr.isatty())
+        outputs = llm.generate(prompts, params)  # a progress bar on a terminal, where it helps
         for question, out in zip(questions, outputs):
             if args.json:
                 print(json.dumps(_as_json(question, out)), flush=True)
@@ -103,16 +121,18 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _text_prompts(args: argparse.Namespace, questions: list[str], llm) -> list:
-    """The engine prompts of text questions: through the chat template when the model has one."""
+def _text_prompts(args: argparse.Namespace, questions: list[str], llm, template: str | None) -> list:
+    """The engine prompts of text questions: through the chat template (`template`, else the
+    model's) when there is one."""
     model = args.model or "the default model"
     if llm.engine.input_processor.audio is not None:
         raise UsageError(f"expected --audio FILE.wav for the audio model {model!r}, got text prompts")
-    use_template = not args.no_chat_template and llm.engine.spec.has_chat_template
+    use_template = not args.no_chat_template and (template is not None or llm.engine.spec.has_chat_template)
     if args.system is not None and not use_template:
-        raise UsageError(f"expected a model with a chat template for --system, got {model!r} without one")
+        raise UsageError(f"expected a model with a chat template (or --chat-template) for --system, got {model!r} "
+                         "without one")
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
-    return [chat_prompt(llm.tokenizer, [*system, {"role": "user", "content": q}]) if use_template else q
+    return [chat_prompt(llm.tokenizer, [*system, {"role": "user", "content": q}], template) if use_template else q
             for q in questions]
 
 

@@ -27,6 +27,8 @@ class EngineConfig:
 
     `max_model_len` caps the model's context (None: the model's own); the KV pool must hold
     one request of that many tokens.
+    `tokenizer` loads the tokenizer (and its chat template) from another folder, `.gguf` file
+    or Hub id than `model` (None: the model's own).
     `async_scheduling` plans and queues a decode step while the one before it runs, so the
     host's work of a step (scheduling, inputs, reading and applying the draws) overlaps the
     device's (None: on CUDA with `num_scheduler_steps=1`; the CPU computes as it queues, so
@@ -37,6 +39,7 @@ class EngineConfig:
     """
 
     model: str | None = None
+    tokenizer: str | None = None
     backend: str = "auto"
     device: str = "auto"
     dtype: str | torch.dtype = "auto"
@@ -76,8 +79,9 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"expected {name} to be a bool, got {getattr(self, name)!r}")
-        if self.model is not None and not isinstance(self.model, str):
-            object.__setattr__(self, "model", str(self.model))
+        for name in ("model", "tokenizer"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, str(getattr(self, name)))
         if not isinstance(self.backend, str):
             raise ValueError(f"expected backend to be a backend name, got {self.backend!r}")
         if not (isinstance(self.device, (str, torch.device))):

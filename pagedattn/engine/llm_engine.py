@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedattn.attention.registry import get_backend
@@ -56,6 +56,7 @@ class LLMEngine:
 
             loaded = load_model(
                 config.model,
+                tokenizer=config.tokenizer,
                 dtype=config.dtype,
                 device=device,
                 attention_backend=backend.get_name(),
@@ -194,24 +195,19 @@ class LLMEngine:
     # ------------------------------------------------------------------ batch API
 
     def generate(
-        self, prompts: list, params: list[SamplingParams], *, use_tqdm: bool = False
+        self, prompts: list, params: list[SamplingParams], *,
+        progress: Callable[[list[SequenceGroup]], None] | None = None,
     ) -> list[RequestOutput]:
+        """Run `prompts` to completion; their outputs in order. `progress(groups)` is called
+        before the first step and after each (a progress bar reads the groups' state)."""
         groups = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         results: dict[str, RequestOutput] = {}
-        pbar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-
-            pbar = tqdm(total=len(groups), desc="Generating", dynamic_ncols=True)
-        generated, start = 0, time.perf_counter()
+        if progress is not None:
+            progress(groups)
         while self.has_unfinished():
             for output in self.step():
                 if output.finished:
                     results[output.request_id] = output
-                    generated += sum(len(c.token_ids) for c in output.outputs)
-                    if pbar is not None:
-                        pbar.update(1)
-                        pbar.set_postfix(tok_s=f"{generated / max(time.perf_counter() - start, 1e-9):.1f}")
-        if pbar is not None:
-            pbar.close()
+            if progress is not None:
+                progress(groups)
         return [results[g.request_id] for g in groups]

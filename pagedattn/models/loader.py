@@ -9,6 +9,7 @@ model's feature extractor, from the folder's `preprocessor_config.json`); the we
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -23,8 +24,8 @@ from torch import nn
 
 from pagedattn.layer import attention_impls
 from pagedattn.models import ARCHITECTURES, UnsupportedModelError, get_model_cls
+from pagedattn.models.cache import cache_dir, read_gguf_cached
 from pagedattn.models.default import default_model_path
-from pagedattn.models.gguf_file import read_gguf
 from pagedattn.models.layers import head_size_of, layer_sliding_windows
 
 HF_EXTRA_MODULES = ("transformers", "tokenizers", "safetensors", "gguf", "jinja2")
@@ -159,6 +160,7 @@ class LoadedModel:
 def load_model(
     model: str | os.PathLike | None = None,
     *,
+    tokenizer: str | os.PathLike | None = None,
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     attention_backend: str = "auto",
@@ -169,6 +171,8 @@ def load_model(
 
     model: None (the embedded SmolLM2-135M-Instruct GGUF), a folder with `config.json` and
         `*.safetensors`, a `.gguf` file, or a Hugging Face Hub id (see `resolve_model_path`).
+    tokenizer: where the tokenizer (and its chat template) comes from instead, the same kinds
+        of source as `model` (None: the model's own).
     max_model_len: caps the spec's context (None: the model's own; larger is refused).
     dtype: a torch dtype or its name; "auto" is float32 on the CPU and otherwise the config's
         half-precision dtype (bfloat16 when the config names none or float32).
@@ -177,30 +181,29 @@ def load_model(
     supported architectures, ValueError for pickle-only or mismatching weights,
     MissingExtraError without the `[hf]` extra.
     """
-    require_hf_extra(gguf=model is None or str(model).endswith(".gguf"))
-    from transformers import AutoConfig, AutoTokenizer
-
+    require_hf_extra(gguf=model is None or any(str(m).endswith(".gguf") for m in (model, tokenizer) if m is not None))
     device = _resolve_device(device)
     path = resolve_model_path(model)
     folder = path if path.is_dir() else None
     if folder is not None:
+        from transformers import AutoConfig
+
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"expected a Hugging Face config.json in {str(path)!r}")
         config = AutoConfig.from_pretrained(path)
         architecture = _hf_architecture(config)
         files = _safetensors_files(path)
         weights = _safetensors_weights(files)
-        tokenizer = AutoTokenizer.from_pretrained(path)
         extra_eos = _generation_eos(path)
     elif path.suffix == ".gguf":
-        config, architecture, weights = read_gguf(path)
-        tokenizer = _gguf_tokenizer(path)
+        config, architecture, weights = read_gguf_cached(path)
         extra_eos = ()
     else:
         raise ValueError(
             f"expected a model folder or a .gguf file, got the file {str(path)!r}"
         )
 
+    tokenizer = load_tokenizer(path if tokenizer is None else tokenizer)
     cls = get_model_cls(architecture)
     dtype = _resolve_dtype(dtype, config, device)
     net = build_model(architecture, config, device=device, dtype=dtype, attention_backend=attention_backend,
@@ -219,7 +222,7 @@ def build_model(architecture: str, config, *, device: torch.device, dtype: torch
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), _no_random_init():
             net = get_model_cls(architecture)(config, attention_backend=attention_backend,
                                               kv_cache_dtype=kv_cache_dtype)
     finally:
@@ -228,6 +231,18 @@ def build_model(architecture: str, config, *, device: torch.device, dtype: torch
     for impl in attention_impls(net):  # backends that plan ahead (FlashInfer) plan from step one
         impl.set_query_dtype(dtype)
     return net
+
+
+@contextlib.contextmanager
+def _no_random_init():
+    """nn.Linear and nn.Embedding draw random initial weights (1.5 s of SmolLM2-135M's start-up
+    on a CPU), which `load_weights` overwrites and refuses to leave unloaded: skip the draw."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
 
 
 def capped(spec: ModelSpec, max_model_len: int | None) -> ModelSpec:
@@ -241,6 +256,18 @@ def capped(spec: ModelSpec, max_model_len: int | None) -> ModelSpec:
     return dataclasses.replace(spec, max_model_len=max_model_len)
 
 
+def load_tokenizer(source: str | os.PathLike):
+    """The tokenizer of a model folder, a `.gguf` file or a Hub id (see `resolve_model_path`)."""
+    path = resolve_model_path(source)
+    if path.suffix == ".gguf" and path.is_file():
+        return _gguf_tokenizer(path)
+    if not path.is_dir():
+        raise ValueError(f"expected a tokenizer folder, a .gguf file or a Hub id, got the file {str(path)!r}")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
 def _gguf_tokenizer(path: Path):
     """The tokenizer of a GGUF file. transformers builds it by parsing the file's metadata again
     (seconds: the token lists), so it is built once per file and kept as `tokenizer.json` under
@@ -248,16 +275,17 @@ def _gguf_tokenizer(path: Path):
     import hashlib
 
     import transformers
-    from transformers import AutoTokenizer
 
     stat = path.resolve().stat()
     key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
     folder = tokenizer_cache_dir() / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if (folder / "tokenizer_config.json").is_file():
         try:
-            return AutoTokenizer.from_pretrained(folder)
+            return _kept_tokenizer(folder)
         except (OSError, ValueError):  # a damaged cache entry: build it again below
             pass
+    from transformers import AutoTokenizer
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except (TypeError, ValueError, KeyError) as e:  # transformers' GGUF conversion, not our code
@@ -272,13 +300,26 @@ def _gguf_tokenizer(path: Path):
     return tokenizer
 
 
+_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+"""transformers' tokenizer classes that are not a model family's: a kept GGUF tokenizer is one."""
+
+
+def _kept_tokenizer(folder: Path):
+    """A tokenizer that `_gguf_tokenizer` saved, loaded by the class it was saved as when that is
+    a generic one: AutoTokenizer would first index every model family of transformers (reading
+    ~1,700 files, about a second of a start-up) to find it."""
+    import transformers
+
+    name = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    cls = getattr(transformers, name, None) if name in _GENERIC_TOKENIZERS else None
+    if cls is None:
+        from transformers import AutoTokenizer as cls
+    return cls.from_pretrained(folder)
+
+
 def tokenizer_cache_dir() -> Path:
-    """Where GGUF tokenizers are kept: `$PAGEDATTN_CACHE/gguf-tokenizers`, else under
-    `$XDG_CACHE_HOME/pagedattn` (default `~/.cache/pagedattn`)."""
-    root = os.environ.get("PAGEDATTN_CACHE")
-    if not root:
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedattn"
-    return Path(root).expanduser() / "gguf-tokenizers"
+    """Where GGUF tokenizers are kept: `cache_dir() / "gguf-tokenizers"`."""
+    return cache_dir() / "gguf-tokenizers"
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:

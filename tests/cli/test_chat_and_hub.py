@@ -23,9 +23,9 @@ def test_chat_is_multi_turn(tiny_chat, monkeypatch, capsys):
     seen = []
     real = chat.chat_prompt
 
-    def spy(tokenizer, messages):
+    def spy(tokenizer, messages, template=None):
         seen.append([dict(m) for m in messages])
-        return real(tokenizer, messages)
+        return real(tokenizer, messages, template)
 
     monkeypatch.setattr(chat, "chat_prompt", spy)
     monkeypatch.setattr("sys.stdin", _Pipe("hello\nand then?\n/reset\n\nagain\n/exit\nnever read\n"))
