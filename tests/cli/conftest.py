@@ -18,6 +18,19 @@ def tiny_chat(tmp_path_factory) -> str:
     return save_tiny_chat_llama(tmp_path_factory.mktemp("tiny_chat"))
 
 
+@pytest.fixture
+def tiny_without_template(tmp_path, tiny_chat) -> Path:
+    """A copy of `tiny_chat` with no chat template (neither in its tokenizer config nor a file)."""
+    import shutil
+
+    folder = tmp_path / "plain"
+    shutil.copytree(tiny_chat, folder)
+    config = folder / "tokenizer_config.json"
+    config.write_text(config.read_text().replace('"chat_template"', '"unused_template"'))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    return folder
+
+
 def run_cli(*args: str, env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
     """`python -m pagedattn ARGS` in a fresh interpreter with this checkout first on the path."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}

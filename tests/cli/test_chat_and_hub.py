@@ -41,12 +41,8 @@ def test_chat_is_multi_turn(tiny_chat, monkeypatch, capsys):
     assert seen[1][2]["content"] == out.splitlines()[0]
 
 
-def test_chat_refuses_a_model_without_template(tmp_path, tiny_chat, monkeypatch, capsys):
-    folder = tmp_path / "plain"
-    shutil.copytree(tiny_chat, folder)
-    config = folder / "tokenizer_config.json"
-    config.write_text(config.read_text().replace('"chat_template"', '"unused_template"'))
-    (folder / "chat_template.jinja").unlink(missing_ok=True)
+def test_chat_refuses_a_model_without_template(tiny_without_template, monkeypatch, capsys):
+    folder = tiny_without_template
     monkeypatch.setattr("sys.stdin", _Pipe("hi\n"))
     assert main(["chat", "--model", str(folder)]) == 2
     assert "chat template" in capsys.readouterr().err

@@ -66,14 +66,8 @@ def test_chat_template_flag_inline_and_from_a_file(tiny_chat, tmp_path, capsys):
     assert _prompt_tokens(capsys) == [len("[user] hello\nA:"), len("<hello>"), len("<sys><hello>")]
 
 
-def test_chat_template_flag_lets_chat_run_a_model_without_one(tmp_path, tiny_chat, monkeypatch, capsys):
-    import shutil
-
-    folder = tmp_path / "plain"
-    shutil.copytree(tiny_chat, folder)
-    config = folder / "tokenizer_config.json"
-    config.write_text(config.read_text().replace('"chat_template"', '"unused_template"'))
-    (folder / "chat_template.jinja").unlink(missing_ok=True)
+def test_chat_template_flag_lets_chat_run_a_model_without_one(tiny_without_template, monkeypatch, capsys):
+    folder = tiny_without_template
     seen = []
     real = chat.chat_prompt
     monkeypatch.setattr(chat, "chat_prompt", lambda tok, messages, template=None: seen.append(template) or
