@@ -129,6 +129,7 @@ class Attention(nn.Module):
         kv_cache_dtype: str = "auto",
         logits_soft_cap: float | None = None,
         attn_type: AttentionType = AttentionType.DECODER,
+        sinks: torch.Tensor | None = None,
         k_scale: float | torch.Tensor | None = None,
         v_scale: float | torch.Tensor | None = None,
         dtype: torch.dtype | None = None,
@@ -137,7 +138,7 @@ class Attention(nn.Module):
         self.backend = get_backend(backend or "auto")
         self.impl = self.backend.get_impl_cls()(
             num_heads, head_size, scale, num_kv_heads, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
-            kv_cache_dtype=kv_cache_dtype, logits_soft_cap=logits_soft_cap, attn_type=attn_type,
+            kv_cache_dtype=kv_cache_dtype, logits_soft_cap=logits_soft_cap, attn_type=attn_type, sinks=sinks,
         )
         if dtype is not None:
             self.impl.set_query_dtype(dtype)

@@ -182,13 +182,17 @@ class Scenario(PagedBatch):
 
     def impl(self, *, scale: float | None = None, alibi_slopes=None,
              sliding_window: int | None = None, logits_soft_cap: float | None = None,
-             attn_type=None, num_heads: int | None = None):
+             attn_type=None, num_heads: int | None = None, sinks=None):
         opts = dict(alibi_slopes=alibi_slopes, sliding_window=sliding_window,
                     kv_cache_dtype=self.kv_cache_dtype, logits_soft_cap=logits_soft_cap,
                     attn_type=attn_type or pagedattn.AttentionType.DECODER)
-        shown = {k: v for k, v in opts.items() if v is not None and k != "alibi_slopes"}
+        if sinks is not None:  # a float32 tensor [Hq] on the device, as a model's parameter is
+            opts["sinks"] = torch.as_tensor(sinks, dtype=torch.float32, device=self.device)
+        shown = {k: v for k, v in opts.items() if v is not None and k not in ("alibi_slopes", "sinks")}
         if alibi_slopes is not None:
             shown["alibi"] = True
+        if sinks is not None:
+            shown["sinks"] = True
         with refusal_guard(self.backend, f"{shown}, head_size={self.head_size}"):
             impl = self.backend.get_impl_cls()(
                 num_heads or self.num_heads, self.head_size,
@@ -223,13 +227,13 @@ class Scenario(PagedBatch):
     # -- the oracle
     def references(self, *, scale: float | None = None, alibi_slopes=None,
                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                   attn_type=None, num_heads=None) -> list[torch.Tensor]:
+                   attn_type=None, num_heads=None, sinks=None) -> list[torch.Tensor]:
         """Acceptable [T, Hq, D] float64 answers (two for FP8 caches: the new tokens read
         quantised from the cache, or straight from the inputs)."""
         del attn_type, num_heads  # decoder self-attention only
         scale = self.default_scale if scale is None else scale
         opts = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                    alibi_slopes=alibi_slopes)
+                    alibi_slopes=alibi_slopes, sinks=sinks)
         sources = (True, False) if self.fp8 else (False,)
         return [self.reference(scale=scale, new_from_cache=c, **opts)[0] for c in sources]
 

@@ -9,7 +9,7 @@ Semantics follow shared/API.md section 3, in this order:
     s = c * tanh(s / c)                    (logits_soft_cap c)
     s += slope_h * (key_pos - query_pos)   (ALiBi)
     mask: key_pos <= query_pos (causal) and key_pos > query_pos - W (sliding window W)
-    softmax over keys, then the weighted sum of values
+    softmax over keys (and the head's sink logit, with a value of 0), then the weighted sum of values
 GQA/MQA: query head h reads KV head h // (Hq // Hkv). The LSE is the natural log of the
 softmax denominator, per (query token, head), as kernels that merge partial results report it.
 """
@@ -110,6 +110,7 @@ def dense_attention_with_lse(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     alibi_slopes: Sequence[float] | torch.Tensor | None = None,
+    sinks: Sequence[float] | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one sequence and its log-sum-exp, in float64 on q's device.
 
@@ -117,7 +118,8 @@ def dense_attention_with_lse(
     query_pos: absolute position of each query row; keys sit at positions 0..Lk-1. The default
     is bottom-right alignment, `Lk - Lq + i`, i.e. the queries are the last Lq tokens.
     Returns (out [Lq, Hq, D] float64, lse [Lq, Hq] float64), lse the natural log of the sum of
-    exp(score) over the keys the query sees. A query that sees no key gets out 0 and lse -inf.
+    exp(score) over the keys the query sees, and exp(sinks[h]) with sinks (a sink joins the
+    denominator only). A query that sees no key gets out 0 and lse -inf (sinks[h] with sinks).
     NaN/Inf in q, or in a key/value the query sees, reach that query's row; a key or value the
     query does not see never does (it is left out before the matmul, as a backend must).
     """
@@ -152,6 +154,9 @@ def dense_attention_with_lse(
         allowed &= rel > -int(sliding_window)
     s = s.masked_fill(~allowed[None], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # [Hq, Lq]; -inf where the query sees no key
+    if sinks is not None:
+        sink = torch.as_tensor(sinks, dtype=torch.float64).to(dev).reshape(hq, 1)
+        lse = torch.logaddexp(lse, sink.expand_as(lse))
     seen = allowed.any(dim=1)  # [Lq]
     p = torch.exp(s - lse[..., None]).masked_fill(~seen[None, :, None], 0.0)  # [Hq, Lq, Lk]
     if bool(torch.isfinite(v).all()):

@@ -28,6 +28,7 @@ class Capabilities:
     alibi: bool = True
     sliding_window: bool = True
     logits_soft_cap: bool = True
+    sinks: bool = False  # a per-head logit in every softmax's denominator (gpt-oss)
     why_not: tuple[tuple[str, str], ...] = ()  # (option, the reason it is refused), for the error
 
     def reason(self, option: str) -> str:

@@ -104,6 +104,7 @@ class AttentionImpl:
         kv_cache_dtype: str = "auto",
         logits_soft_cap: float | None = None,
         attn_type: AttentionType = AttentionType.DECODER,
+        sinks: torch.Tensor | None = None,
     ):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
@@ -129,8 +130,10 @@ class AttentionImpl:
         self.kv_cache_dtype = kv_cache_dtype
         self.logits_soft_cap = logits_soft_cap
         self.attn_type = attn_type
+        self.sinks = _sinks(sinks, num_heads)
         self.kv_scales = KVScales()
         self._alibi_on: dict[torch.device, torch.Tensor] = {}
+        self._sinks_copy: torch.Tensor | None = None
         # (a weak reference to the cache, what was checked): `_check_kv_cache`; weak, so that a pool
         # the caller drops is freed
         self._checked_cache: tuple | None = None
@@ -161,6 +164,8 @@ class AttentionImpl:
             refusals.append(f"sliding_window{caps.reason('sliding_window')}")
         if self.logits_soft_cap is not None and not caps.logits_soft_cap:
             refusals.append(f"logits_soft_cap{caps.reason('logits_soft_cap')}")
+        if self.sinks is not None and not caps.sinks:
+            refusals.append(f"sinks{caps.reason('sinks')}")
         if refusals:
             raise NotImplementedError(f"the {name!r} backend does not support: {', '.join(refusals)}")
 
@@ -250,6 +255,16 @@ class AttentionImpl:
         layer's whole cache (None when the call reads the step's rows or the cache is empty);
         `scales` the FP8 scales (None unless the cache is FP8)."""
         raise NotImplementedError
+
+    def sinks_on(self, device: torch.device) -> torch.Tensor | None:
+        """The attention sinks [Hq] on `device`: the tensor given (a model's parameter, read at
+        every call, so weights loaded into it in place take effect), or a copy made once where
+        it lives on another device; None without sinks."""
+        if self.sinks is None or self.sinks.device == device:
+            return self.sinks
+        if self._sinks_copy is None or self._sinks_copy.device != device:
+            self._sinks_copy = self.sinks.to(device)
+        return self._sinks_copy
 
     def alibi_slopes_on(self, device: torch.device) -> torch.Tensor | None:
         """The ALiBi slopes float32 [Hq] on `device` (copied once), or None."""
@@ -428,6 +443,17 @@ def _heads_view(name: str, x: torch.Tensor, tokens: int, heads: int, head_size: 
     if x.stride(-1) != 1:
         raise ValueError(f"expected {name} with a unit stride in its last dimension, got strides {x.stride()}")
     return x.view(tokens, heads, head_size) if ok_2d else x
+
+
+def _sinks(sinks, num_heads: int) -> torch.Tensor | None:
+    """`sinks` checked: a floating tensor [Hq], one logit per query head (gpt-oss's learnable
+    sinks), kept as given (not copied)."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() or tuple(sinks.shape) != (num_heads,):
+        got = list(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"expected sinks a floating-point tensor of [{num_heads}] (one logit per query head), got {got}")
+    return sinks
 
 
 def _slopes(alibi_slopes, num_heads: int) -> torch.Tensor | None:

@@ -41,7 +41,7 @@ def unavailable_reasons() -> list[str]:
 
 
 class TorchBackend(AttentionBackend):
-    capabilities = Capabilities()
+    capabilities = Capabilities(sinks=True)
 
     @staticmethod
     def get_name() -> str:
@@ -148,7 +148,7 @@ class TorchImpl(AttentionImpl):
             qf = q.float().view(b, hq, 1, d)  # decode: one row per sequence
         else:
             qf = q.float().index_select(0, plan.q_rows).view(b, lq, hq, d).transpose(1, 2)  # [B, Hq, Lq, D]
-        if self.logits_soft_cap is not None:
+        if self.logits_soft_cap is not None or self.sinks is not None:
             o = self._explicit(qf, keys, values, bias)
         elif lq == 1:
             # Each KV head's G query heads as its query rows: a plain SDPA, no K/V expansion.
@@ -165,14 +165,24 @@ class TorchImpl(AttentionImpl):
             out.copy_(o.transpose(1, 2).reshape(b * lq, hq, d).index_select(0, plan.out_rows))
 
     def _explicit(self, q, keys, values, bias) -> torch.Tensor:
-        """Scores with the logit soft cap, then the masked softmax. q: [B, Hq, Lq, D] float32;
-        keys/values: [B, Hkv, Lk, D]; bias: [B, 1|Hq, Lq, Lk]. Returns [B, Hq, Lq, D]."""
+        """Explicit scores, for the logit soft cap and attention sinks, then the masked softmax.
+        q: [B, Hq, Lq, D] float32; keys/values: [B, Hkv, Lk, D]; bias: [B, 1|Hq, Lq, Lk].
+        Returns [B, Hq, Lq, D].
+
+        A sink is one more score per query head, `sinks[h]` as it is (after the soft cap, which
+        it does not pass through), whose value is zero: it joins the softmax's denominator only
+        (gpt-oss: the scores and the sink concatenated, softmaxed, the sink's column dropped)."""
         hkv = self.num_kv_heads
         qg = q.unflatten(1, (hkv, -1))  # [B, Hkv, G, Lq, D]
         s = torch.matmul(qg, keys.unsqueeze(2).transpose(-1, -2)) * self.scale  # [B, Hkv, G, Lq, Lk]
-        s = torch.tanh(s / self.logits_soft_cap) * self.logits_soft_cap
+        if self.logits_soft_cap is not None:
+            s = torch.tanh(s / self.logits_soft_cap) * self.logits_soft_cap
         s = s + (bias.unsqueeze(1) if bias.shape[1] == 1 else bias.unflatten(1, (hkv, -1)))
-        p = torch.softmax(s, dim=-1)
+        if self.sinks is None:
+            p = torch.softmax(s, dim=-1)
+        else:
+            sink = self.sinks_on(q.device).float().view(1, hkv, -1, 1, 1).expand(*s.shape[:-1], 1)
+            p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
         return torch.matmul(p, values.unsqueeze(2)).flatten(1, 2)
 
     def _plan(self, call: AttendCall, t: int, block_size: int, num_kv_rows: int) -> _Plan:

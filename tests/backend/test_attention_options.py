@@ -70,6 +70,26 @@ def test_logits_soft_cap(backend, device, model_dtype, cap):
     assert_outputs_differ(on, off, 1e-3, f"logits_soft_cap={cap}")
 
 
+@pytest.mark.parametrize("with_window", [False, True], ids=["full", "window"])
+def test_sinks(backend, device, model_dtype, with_window):
+    # gpt-oss: one learnable logit per query head in every softmax's denominator, on full and
+    # sliding-window layers; logits of -2..3 against scores of about 0 move every row
+    sc = make_scenario(backend, MIXED, device=device, dtype=model_dtype, seed=19)
+    sinks = torch.linspace(-2.0, 3.0, sc.num_heads).tolist()
+    window = dict(sliding_window=16, builder_window=16) if with_window else {}
+    on, off = _on_and_off(sc, sinks=sinks, **window)
+    if with_window:
+        sc.reset_cache()
+        off = sc.run(**window)
+    assert_outputs_differ(on, off, 1e-3, "sinks")
+
+
+def test_sinks_with_soft_cap_and_alibi(backend, device, model_dtype):
+    sc = make_scenario(backend, MIXED, device=device, dtype=model_dtype, seed=20)
+    opts = dict(sinks=[0.5] * sc.num_heads, logits_soft_cap=2.0, alibi_slopes=alibi_slopes_for(sc.num_heads))
+    sc.check(sc.run(**opts), **opts)
+
+
 @pytest.mark.parametrize("scale", [0.3, 0.01])
 def test_custom_scale(backend, device, model_dtype, scale):
     sc = make_scenario(backend, MIXED, device=device, dtype=model_dtype, seed=16)
