@@ -38,8 +38,9 @@ logger = logging.getLogger(__name__)
 
 
 def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = None,
-              limits: ServeLimits = ServeLimits()) -> FastAPI:
-    """The server's app; its lifespan starts and stops `engine`'s loop."""
+              limits: ServeLimits = ServeLimits(), chat_template: str | None = None) -> FastAPI:
+    """The server's app; its lifespan starts and stops `engine`'s loop. `chat_template` (Jinja
+    text) replaces the tokenizer's template for conversations that name none of their own."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -134,7 +135,7 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         serving.check_model(body.model)
-        prompt = render_chat(serving.tokenizer, body, model_name)
+        prompt = render_chat(serving.tokenizer, body, model_name, chat_template=chat_template)
         return await serving.complete(request, body, [prompt], body.token_limit())
 
     # ------------------------------------------------------------------ vLLM's tokenizer routes
@@ -147,7 +148,8 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         serving.check_model(body.model)
         serving.warn_ignored(body)
         if chat:
-            ids = render_chat(serving.tokenizer, body, model_name, add_special_tokens=body.add_special_tokens)
+            ids = render_chat(serving.tokenizer, body, model_name, add_special_tokens=body.add_special_tokens,
+                              chat_template=chat_template)
         else:
             ids = serving.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         strs = serving.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None

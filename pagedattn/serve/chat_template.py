@@ -42,14 +42,19 @@ def _arguments(text: str):
         return text  # not JSON: the template gets what the client sent
 
 
-def render_chat(tokenizer, body: ChatTemplateOptions, model_name: str, *, add_special_tokens: bool = False) -> list[int]:
+def render_chat(tokenizer, body: ChatTemplateOptions, model_name: str, *, add_special_tokens: bool = False,
+                chat_template: str | None = None) -> list[int]:
     """The prompt's token ids: the template's text, tokenized without adding special tokens (the
-    template writes them) unless `add_special_tokens`. A 400 when the model has no template or
-    the template refuses the messages."""
-    if not getattr(tokenizer, "chat_template", None):
+    template writes them) unless `add_special_tokens`. The template is the request's
+    `chat_template`, else `chat_template` (the server's `--chat-template`), else the tokenizer's.
+    A 400 when there is none or the template refuses the messages."""
+    template = body.chat_template or chat_template
+    if template is None and not getattr(tokenizer, "chat_template", None):
         raise APIError(400, f"expected a model with a chat template, got {model_name} which has none "
-                       "(use /v1/completions)", param="messages")
+                       "(use /v1/completions, or start the server with --chat-template)", param="messages")
     kwargs = dict(body.chat_template_kwargs or {})
+    if template is not None:
+        kwargs["chat_template"] = template
     if body.tools:
         kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
     try:

@@ -17,7 +17,13 @@ import os
 import socket
 import sys
 
-from pagedattn.cli.model_args import UsageError, add_model_arguments, engine_config
+from pagedattn.cli.model_args import (
+    UsageError,
+    add_chat_template_argument,
+    add_model_arguments,
+    chat_template,
+    engine_config,
+)
 from pagedattn.serve import MAX_WAITING
 
 SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client")
@@ -29,6 +35,7 @@ def add_parser(sub) -> None:
     """Register `serve` on `sub`, the `add_subparsers()` object of the `pagedattn` parser."""
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     add_model_arguments(p)
+    add_chat_template_argument(p)
     group = p.add_argument_group("server")
     group.add_argument("--served-model-name", default=None, help="the 'model' clients send (default: from --model)")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
@@ -95,6 +102,7 @@ def _log_to_stderr(level: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
+    template = chat_template(args)  # checked before the model loads
     config = engine_config(args)
     try:
         config = dataclasses.replace(config, max_num_seqs=args.max_num_seqs)
@@ -118,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
         limits = ServeLimits(max_waiting=args.max_waiting, max_prompt_len=args.max_prompt_len,
                              max_tokens=args.max_tokens)
         api_key = args.api_key if args.api_key is not None else os.environ.get("PAGEDATTN_API_KEY")
-        app = build_app(AsyncEngine(engine, ServerMetrics(name)), name, api_key=api_key, limits=limits)
+        app = build_app(AsyncEngine(engine, ServerMetrics(name)), name, api_key=api_key, limits=limits,
+                        chat_template=template)
         server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level))
         try:
             server.run(sockets=[sock])

@@ -227,6 +227,7 @@ class ChatTemplateOptions(OpenAIModel):
     tools: list[Tool] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None  # vLLM's: a Jinja template for this request, over the server's
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")

@@ -69,9 +69,11 @@ class Server:
 
 
 @contextmanager
-def run_server(loaded, device, *, api_key=None, engine_kwargs=None, log_interval_s=10.0, **limits):
+def run_server(loaded, device, *, api_key=None, engine_kwargs=None, log_interval_s=10.0, chat_template=None,
+               **limits):
     """Serve `loaded` with uvicorn in a daemon thread; stops it (bounded wait) on exit.
-    `engine_kwargs` override `ENGINE_DEFAULTS`; `limits` are `ServeLimits`'."""
+    `engine_kwargs` override `ENGINE_DEFAULTS`; `limits` are `ServeLimits`'; `chat_template` the
+    server's `--chat-template` text."""
     import uvicorn
 
     from pagedattn.engine.config import EngineConfig
@@ -83,7 +85,7 @@ def run_server(loaded, device, *, api_key=None, engine_kwargs=None, log_interval
     config = EngineConfig(device=str(device), **(ENGINE_DEFAULTS | (engine_kwargs or {})))
     engine = LLMEngine(config, loaded, check_integrity=True)
     async_engine = AsyncEngine(engine, ServerMetrics(MODEL_NAME), log_interval_s=log_interval_s)
-    app = build_app(async_engine, MODEL_NAME, api_key=api_key, limits=ServeLimits(**limits))
+    app = build_app(async_engine, MODEL_NAME, api_key=api_key, limits=ServeLimits(**limits), chat_template=chat_template)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()

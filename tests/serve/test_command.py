@@ -32,6 +32,8 @@ KEY = "k"
         (["--model", "/nope"], "expected --model to be an existing folder"),
         (["--dtype", "float8"], "invalid choice: 'float8'"),
         (["--backend", "bogus"], "backend 'bogus' cannot run"),
+        (["--chat-template", "no_such_template.jinja"], "expected --chat-template to be a template file"),
+        (["--chat-template", "{% for %}"], "--chat-template"),
     ],
 )
 def test_user_errors_exit_2(argv, message, capsys):

@@ -148,3 +148,22 @@ def test_latency_histograms_and_throughput_log(loaded, device, caplog):
     assert any("Avg generation throughput: 0.0 tokens/s" not in line for line in lines)
     assert lines[-1].startswith("Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.0 tokens/s")
     assert len(lines) <= 4  # idle intervals after the first are not logged
+
+
+PLAIN_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+
+
+def test_chat_template_of_the_server_and_of_a_request(loaded, device, server):
+    # `serve --chat-template` replaces the tokenizer's template; a request's vLLM `chat_template`
+    # field replaces both; /tokenize renders through the same template
+    messages = [{"role": "user", "content": "hi there"}]
+    with run_server(loaded, device, chat_template=PLAIN_TEMPLATE) as custom:
+        ids = httpx.post(f"{custom.url}/tokenize", json={"messages": messages}).json()["tokens"]
+        tok = custom.engine.tokenizer
+        assert ids == tok.encode("[user] hi there\n[assistant] ", add_special_tokens=False)
+        other = "{{ messages[0]['content'] }}!"
+        body = {"messages": messages, "chat_template": other}
+        assert httpx.post(f"{custom.url}/tokenize", json=body).json()["tokens"] == tok.encode(
+            "hi there!", add_special_tokens=False)
+    default = httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()["tokens"]
+    assert default != ids  # the model's own template differs
