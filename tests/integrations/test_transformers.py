@@ -89,8 +89,9 @@ def _prompts(n_prompts: int, seed: int = 1) -> list[list[int]]:
     return [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lengths]
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(params=FAMILIES)
 def model(request):
+    """A fresh model per test: generate_batch leaves state on the model it ran on."""
     return transformers_model(load_dummy_model(request.param, seed=0))
 
 
