@@ -292,6 +292,7 @@ def _bench_hf_attention(shape: str, s: dict, bandwidth: float, rows: list[dict],
     names = {"pagedattn": pa_hf.register(s["backend"]), "sdpa": "sdpa", "paged|eager": "paged|eager"}
     ours_why = pa_hf.generate_batch_unavailable_reason()
     fixed = [(w, b) for w, b in s["plan"] if w in offline.FIXED]
+    vocab = peer.config.vocab_size
     per_cell: dict[tuple, dict] = {}
     for key in HF_ATTENTION:
         impl = names[key]
@@ -313,7 +314,7 @@ def _bench_hf_attention(shape: str, s: dict, bandwidth: float, rows: list[dict],
             bar.set_description(f"{shape}: transformers {impl} {workload} x{batch}")
             try:
                 cell = offline.measure(lambda rep: runner.run(offline.make_requests(
-                    lengths, vocab_size=peer.config.vocab_size, seed=s["seed"], rep=rep)), s["reps"],
+                    lengths, vocab_size=vocab, seed=s["seed"], rep=rep)), s["reps"],
                     s["max_cell_s"], bar.update)
             except Exception as e:  # noqa: BLE001 - the peer's API moves between versions: report, go on
                 info["skipped"].append(f"transformers {impl} {workload} x{batch}: {type(e).__name__}: {e}")

@@ -198,7 +198,8 @@ def print_summary(result: dict) -> None:
     for r in result["offline"]:
         spread = f"{r['spread']:.1%}" if r["spread"] is not None else "-"
         speedup = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
-        p(f"{r['shape']:<13} {r['impl']:<12} {r['backend']:<18} {r['workload']:<9} {r['batch']:>5} {r['tokens_per_s']:>10.1f} "
+        p(f"{r['shape']:<13} {r['impl']:<12} {r['backend']:<18} {r['workload']:<9} {r['batch']:>5} "
+          f"{r['tokens_per_s']:>10.1f} "
           f"{spread:>7} {speedup:>8}  {r['note']}")
     for shape, s in result["shapes"].items():
         if "error" in s:

@@ -94,7 +94,7 @@ class _Step:
         key = (tuple(cu_q), tuple(cu_k), sliding_window, builder_cls, device)
         if cls._last is not None and cls._last[0] == key:
             return cls._last[1]
-        seqs, q_rows, new_k_rows = [], [], []
+        seqs = []
         for b in range(len(cu_q) - 1):
             q_len, k_len = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
             if q_len > k_len:
