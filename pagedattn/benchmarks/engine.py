@@ -18,6 +18,11 @@ Per shape, in one process:
    with it off, which shows the host's share of a step.
 3. online: `pagedattn serve`'s app on loopback under a Poisson request rate (sharegpt lengths),
    TTFT / TPOT / ITL p50 and p99 (`engine_online`); skipped, with the reason, without fastapi.
+With `--hf-attention` only transformers runs: `generate_batch` on pagedattn's attention
+(`pagedattn.integrations.transformers`, the `--backend`) against its own `sdpa` paged default
+and `paged|eager`, the same weights, each fixed workload: output tokens/s per implementation
+(the `backend` column) and ours over sdpa as `speedup`. Where the installed transformers runs
+no registered attention in generate_batch (5.19 on), that row is skipped with the reason.
 Targets (Llama-3-8B on an H100): decode step within 1.3x of its floor, >= 5x transformers,
 spread under 5%; printed next to the measurements. Results: JSON, CSV and a PNG in `--out`.
 
@@ -62,6 +67,9 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per cell, after a warm-up (default 3)")
     p.add_argument("--no-transformers", action="store_true", help="skip transformers' generate_batch")
     p.add_argument("--no-online", action="store_true", help="skip the online latency part")
+    p.add_argument("--hf-attention", action="store_true",
+                   help="only transformers' generate_batch: pagedattn's attention (--backend) against its sdpa and "
+                        "paged|eager attention, same weights (fixed workloads)")
     p.add_argument("--workloads", default=None,
                    help="comma list of 128/128, 1024/128, 128/1024, sharegpt (default: all; --quick: 128/128)")
     p.add_argument("--batches", default=None,
@@ -128,7 +136,8 @@ def _settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict
                 online_max_tokens=(128 if args.quick else 512) if cuda else (32 if args.quick else 128),
                 decode_steps=(64 if args.quick else 128) if cuda else (8 if args.quick else 32),
                 max_cell_s=args.max_cell_s,
-                max_num_seqs=max(*(b for _, b in plan), DECODE_BATCH), quick=args.quick)
+                max_num_seqs=max(*(b for _, b in plan), DECODE_BATCH), quick=args.quick,
+                hf_attention=args.hf_attention)
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
@@ -150,11 +159,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     plan = settings["plan"]
     fixed = sum(w in offline.FIXED for w, _ in plan)
     runs_per_shape = (len(plan) + fixed * settings["transformers"]) * (settings["reps"] + 1) + 2  # + decode, online
+    if settings["hf_attention"]:
+        runs_per_shape = fixed * len(HF_ATTENTION) * (settings["reps"] + 1)
     total = runs_per_shape * len(settings["shapes"])
     with tqdm(total=total, desc="engine bench", unit="run", dynamic_ncols=True) as bar:
         for shape in settings["shapes"]:
             try:
-                result["shapes"][shape] = _bench_shape(shape, settings, bandwidth, result["offline"], bar)
+                bench = _bench_hf_attention if settings["hf_attention"] else _bench_shape
+                result["shapes"][shape] = bench(shape, settings, bandwidth, result["offline"], bar)
             except Exception as e:  # noqa: BLE001 - keep the other shapes' results (device time is scarce)
                 traceback.print_exc()
                 result["shapes"][shape] = {"error": f"{type(e).__name__}: {e}", "skipped": []}
@@ -172,6 +184,7 @@ def _bench_shape(shape: str, s: dict, bandwidth: float, rows: list[dict], bar) -
     """Every part of the run for one model shape; offline rows are appended to `rows`."""
     from pagedattn.benchmarks import engine_offline as offline
     from pagedattn.benchmarks import engine_online as online
+    from pagedattn.benchmarks.transformers_runner import TransformersRunner
     from pagedattn.engine.config import EngineConfig
     from pagedattn.engine.llm_engine import LLMEngine
     from pagedattn.models.dummy import load_dummy_model, transformers_model
@@ -187,7 +200,7 @@ def _bench_shape(shape: str, s: dict, bandwidth: float, rows: list[dict], bar) -
     peer = None
     if s["transformers"]:
         peer = transformers_model(loaded)  # before the engine: on the CPU it repacks our linears
-        why = offline.TransformersRunner.unavailable_reason(peer)
+        why = TransformersRunner.unavailable_reason(peer)
         if why:
             info["skipped"].append(f"transformers: {why}")
             peer = None
@@ -229,7 +242,7 @@ def _bench_shape(shape: str, s: dict, bandwidth: float, rows: list[dict], bar) -
     if peer is not None:
         if device.type == "cuda":  # what our engine left behind (the shared weights, no more)
             info["allocated_gib_before_transformers"] = torch.cuda.memory_allocated(device) / 2**30
-        runner = offline.TransformersRunner(peer)
+        runner = TransformersRunner(peer)
         info["transformers"] = runner.description
         for workload, batch in ((w, b) for w, b in s["plan"] if w in offline.FIXED):
             lengths = offline.request_lengths(workload, batch, max_model_len=spec.max_model_len, seed=s["seed"])
@@ -248,6 +261,72 @@ def _bench_shape(shape: str, s: dict, bandwidth: float, rows: list[dict], bar) -
             ours[workload, batch]["speedup"] = ours[workload, batch]["tokens_per_s"] / row["tokens_per_s"]
         del runner
     del peer, loaded
+    _free(device)
+    return info
+
+
+HF_ATTENTION = ("pagedattn", "sdpa", "paged|eager")
+"""--hf-attention's implementations: ours (the name `register` returns), then transformers' own."""
+
+
+def _bench_hf_attention(shape: str, s: dict, bandwidth: float, rows: list[dict], bar) -> dict:
+    """transformers' generate_batch on one model, its attention switched between ours and its own;
+    rows are appended to `rows` (impl "transformers", backend the attention implementation)."""
+    from pagedattn.benchmarks import engine_offline as offline
+    from pagedattn.benchmarks.transformers_runner import TransformersRunner
+    from pagedattn.integrations import transformers as pa_hf
+    from pagedattn.models.dummy import load_dummy_model, transformers_model
+
+    device = s["device"]
+    bar.set_description(f"{shape}: building")
+    loaded = load_dummy_model(shape, device=device, dtype=s["dtype"], attention_backend=s["backend"],
+                              max_model_len=min(s["max_model_len"], _context(shape)), seed=s["seed"])
+    peer = transformers_model(loaded)
+    del loaded  # its engine-side model: the peer's parameters are views that keep the weights
+    info = {"backend": s["backend"], "dtype": str(s["dtype"]).removeprefix("torch."), "skipped": []}
+    why = TransformersRunner.unavailable_reason(peer)
+    if why:
+        info["skipped"].append(f"transformers: {why}")
+        return info
+    # transformers 5.1-5.18 switch "sdpa" to "paged|sdpa" inside generate_batch, later ones run "sdpa" itself
+    names = {"pagedattn": pa_hf.register(s["backend"]), "sdpa": "sdpa", "paged|eager": "paged|eager"}
+    ours_why = pa_hf.generate_batch_unavailable_reason()
+    fixed = [(w, b) for w, b in s["plan"] if w in offline.FIXED]
+    vocab = peer.config.vocab_size
+    per_cell: dict[tuple, dict] = {}
+    for key in HF_ATTENTION:
+        impl = names[key]
+        if key == "pagedattn" and ours_why:
+            info["skipped"].append(f"transformers generate_batch on {impl}: {ours_why}")
+            for _ in range(len(fixed) * (s["reps"] + 1)):
+                bar.update()
+            continue
+        try:
+            peer.set_attn_implementation(impl)
+        except (ValueError, ImportError) as e:  # e.g. Gemma 2 has no sdpa
+            info["skipped"].append(f"transformers {impl}: {e}")
+            for _ in range(len(fixed) * (s["reps"] + 1)):
+                bar.update()
+            continue
+        runner = TransformersRunner(peer)
+        for workload, batch in fixed:
+            lengths = offline.request_lengths(workload, batch, max_model_len=_context(shape), seed=s["seed"])
+            bar.set_description(f"{shape}: transformers {impl} {workload} x{batch}")
+            try:
+                cell = offline.measure(lambda rep: runner.run(offline.make_requests(
+                    lengths, vocab_size=vocab, seed=s["seed"], rep=rep)), s["reps"],
+                    s["max_cell_s"], bar.update)
+            except Exception as e:  # noqa: BLE001 - the peer's API moves between versions: report, go on
+                info["skipped"].append(f"transformers {impl} {workload} x{batch}: {type(e).__name__}: {e}")
+                continue
+            finally:
+                runner.close()
+            per_cell.setdefault((workload, batch), {})[key] = _row(rows, shape, "transformers", impl, s, workload,
+                                                                  batch, lengths, cell)
+    for cell in per_cell.values():
+        if "pagedattn" in cell and "sdpa" in cell:
+            cell["pagedattn"]["speedup"] = cell["pagedattn"]["tokens_per_s"] / cell["sdpa"]["tokens_per_s"]
+    del peer
     _free(device)
     return info
 

@@ -1,5 +1,5 @@
-"""Offline runs of `pagedattn bench engine`: workloads, timed runs of our engine and of
-transformers' `generate_batch`, the decode step against its bandwidth floor, the copy bandwidth.
+"""Offline runs of `pagedattn bench engine`: workloads, timed runs of our engine (transformers'
+`generate_batch`: `transformers_runner`), the decode step against its bandwidth floor, the copy bandwidth.
 
 A workload is (input length, output length) per request: fixed, or drawn from `SHAREGPT`. A cell
 (workload, batch) submits `batch` requests at once and times until the last one finishes: output
@@ -9,8 +9,6 @@ tokens per second of wall time, prefill included. Each repetition draws new rand
 
 from __future__ import annotations
 
-import inspect
-import logging
 import math
 import statistics
 import time
@@ -95,7 +93,8 @@ def _stable_seed(*parts) -> int:
     return zlib.crc32("/".join(map(str, parts)).encode())
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device (CUDA) before a clock is read."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -105,7 +104,7 @@ def _sync(device: torch.device) -> None:
 
 def run_ours(engine, requests: list[Request]) -> Run:
     """All requests queued at once on an `LLMEngine`, stepped until every one finished."""
-    _sync(engine.device)
+    sync(engine.device)
     start = time.perf_counter()
     for r in requests:
         engine.add_request(r.prompt, SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True))
@@ -116,66 +115,8 @@ def run_ours(engine, requests: list[Request]) -> Run:
                 if out.error is not None:
                     raise RuntimeError(f"request {out.request_id} failed: {out.error}")
                 generated += len(out.outputs[0].token_ids)
-    _sync(engine.device)
+    sync(engine.device)
     return Run(time.perf_counter() - start, generated)
-
-
-class TransformersRunner:
-    """transformers' continuous batching (`model.generate_batch`) on requests of one output length.
-
-    Where generate_batch can keep its manager between calls (`persistent_manager`), the warm-up
-    call sizes it and captures its CUDA graphs, and the timed calls reuse it, as our engine
-    reuses its graphs; `close()` frees it before the next cell. On CUDA its graphs are asked
-    for (`use_cuda_graph=True`): by default transformers turns them off for attention that needs
-    a mask (sdpa, what runs where flash-attn is not installed).
-    """
-
-    def __init__(self, model):
-        self.model = model
-        params = inspect.signature(model.generate_batch).parameters
-        self.persistent = "persistent_manager" in params
-        self.cuda_graphs = model.device.type == "cuda" and "continuous_batching_config" in params
-        # Its continuous batching warns on every call that keeps a manager; the bar says enough.
-        logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
-
-    @property
-    def description(self) -> str:
-        return f"generate_batch (persistent_manager={self.persistent}, use_cuda_graph={self.cuda_graphs})"
-
-    @staticmethod
-    def unavailable_reason(model) -> str | None:
-        import transformers
-
-        if not hasattr(model, "generate_batch"):
-            return f"transformers {transformers.__version__} has no generate_batch (continuous batching)"
-        return None
-
-    def run(self, requests: list[Request]) -> Run:
-        from transformers import GenerationConfig
-
-        new = {r.max_tokens for r in requests}
-        if len(new) != 1:
-            raise ValueError(f"expected one output length (generate_batch takes one max_new_tokens), got {len(new)}")
-        # eos_token_id -1: never stop early, as ignore_eos on our side
-        config = GenerationConfig(max_new_tokens=new.pop(), do_sample=False, eos_token_id=-1, pad_token_id=0)
-        kwargs = {"persistent_manager": True} if self.persistent else {}
-        if self.cuda_graphs:
-            from transformers import ContinuousBatchingConfig
-
-            kwargs["continuous_batching_config"] = ContinuousBatchingConfig(use_cuda_graph=True)
-        device = self.model.device
-        _sync(device)
-        start = time.perf_counter()
-        outs = self.model.generate_batch([r.prompt for r in requests], generation_config=config, **kwargs)
-        _sync(device)
-        seconds = time.perf_counter() - start
-        if len(outs) != len(requests):
-            raise RuntimeError(f"expected {len(requests)} results from generate_batch, got {len(outs)}")
-        return Run(seconds, sum(len(o.generated_tokens) for o in outs.values()))
-
-    def close(self) -> None:
-        if self.persistent and hasattr(self.model, "destroy_cached_continuous_batching_manager"):
-            self.model.destroy_cached_continuous_batching_manager()
 
 
 # ---------------------------------------------------------------------- a cell
@@ -282,11 +223,11 @@ def copy_bandwidth(device: torch.device, nbytes: int, copies: int = 10, trials: 
         dst.copy_(src)
     times = []
     for _ in range(trials):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         for _ in range(copies):
             dst.copy_(src)
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - start)
     del src, dst
     return 2 * nbytes * copies / statistics.median(times)

@@ -193,11 +193,13 @@ def print_summary(result: dict) -> None:
     p(f"\n{env.get('gpu') or env['cpu']}, torch {env['torch']}, transformers {env['transformers']}, "
       f"copy bandwidth {result['copy_bandwidth_gb_s']:.0f} GB/s, load average {env['load_average_before']} "
       f"before, {env['load_average_after']} after")
-    p(f"{'shape':<13} {'impl':<12} {'workload':<9} {'batch':>5} {'tokens/s':>10} {'spread':>7} {'speedup':>8}  note")
+    p(f"{'shape':<13} {'impl':<12} {'backend':<18} {'workload':<9} {'batch':>5} {'tokens/s':>10} {'spread':>7} "
+      f"{'speedup':>8}  note")
     for r in result["offline"]:
         spread = f"{r['spread']:.1%}" if r["spread"] is not None else "-"
         speedup = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
-        p(f"{r['shape']:<13} {r['impl']:<12} {r['workload']:<9} {r['batch']:>5} {r['tokens_per_s']:>10.1f} "
+        p(f"{r['shape']:<13} {r['impl']:<12} {r['backend']:<18} {r['workload']:<9} {r['batch']:>5} "
+          f"{r['tokens_per_s']:>10.1f} "
           f"{spread:>7} {speedup:>8}  {r['note']}")
     for shape, s in result["shapes"].items():
         if "error" in s:

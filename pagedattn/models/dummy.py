@@ -51,6 +51,18 @@ SHAPES: dict[str, dict] = {
         max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=2,
     ),
+    "tiny-qwen2": dict(  # for tests: q/k/v biases
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=512, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        use_sliding_window=False, sliding_window=None, bos_token_id=1, eos_token_id=2,
+    ),
+    "tiny-gemma2": dict(  # for tests: a window of 8 on every other layer, a logit soft cap, 4:1 GQA
+        architectures=["Gemma2ForCausalLM"], model_type="gemma2", vocab_size=512, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+        query_pre_attn_scalar=32, sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=30.0,
+        max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+    ),
 }
 """Shape name -> Hugging Face config fields (`architectures` names our model class)."""
 
@@ -149,6 +161,8 @@ def _our_view(ours: nn.Module, params: dict[str, nn.Parameter], hf_name: str) ->
     stacked one (q/k/v in qkv_proj, gate/up in gate_up_proj)."""
     if hf_name in params:
         return params[hf_name]
+    if hf_name == "lm_head.weight" and ours.config.tie_word_embeddings:  # Gemma 2 reads its embedding as the head
+        return params["model.embed_tokens.weight"]
     for src, (dst, index) in STACKED_PARAMS.items():
         if f".{src}." in hf_name:
             name = hf_name.replace(f".{src}.", f".{dst}.")

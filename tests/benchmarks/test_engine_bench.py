@@ -80,3 +80,27 @@ def test_sharegpt_lengths_are_seeded_and_fit_the_context():
     reqs = engine_offline.make_requests(a[:3], vocab_size=100, seed=0, rep=0)
     assert [len(r.prompt) for r in reqs] == [i for i, _ in a[:3]]
     assert reqs != engine_offline.make_requests(a[:3], vocab_size=100, seed=0, rep=1)
+
+
+def test_hf_attention_rows(tmp_path, capsys):
+    """--hf-attention: transformers' generate_batch on our attention and on its own, same weights;
+    our row is skipped, with the reason, where transformers runs no registered attention there."""
+    from pagedattn.integrations.transformers import generate_batch_unavailable_reason
+
+    out = tmp_path / "bench"
+    argv = ["--model-shape", "tiny-llama", "--device", "cpu", "--quick", "--reps", "1", "--batches", "2",
+            "--hf-attention", "--out", str(out)]
+    assert engine.main(argv, "pagedattn bench engine") == 0
+    result = json.loads((out / "engine_bench.json").read_text())
+    rows = {r["backend"]: r for r in result["offline"]}
+    assert {r["impl"] for r in rows.values()} == {"transformers"}
+    assert {"sdpa", "paged|eager"} <= set(rows)
+    assert all(r["generated_tokens"] == 2 * 128 and r["tokens_per_s"] > 0 for r in rows.values())
+    why = generate_batch_unavailable_reason()
+    if why:
+        assert "pagedattn_torch" not in rows
+        assert any(why in s for s in result["shapes"]["tiny-llama"]["skipped"])
+    else:
+        ours = rows["pagedattn_torch"]
+        assert ours["speedup"] == pytest.approx(ours["tokens_per_s"] / rows["sdpa"]["tokens_per_s"])
+    assert "paged|eager" in capsys.readouterr().out
