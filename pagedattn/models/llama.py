@@ -74,9 +74,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, sliding_window: int | None, **attn_kwargs) -> None:
+    def __init__(self, config, layer_idx: int, sliding_window: int | None, *,
+                 attention_cls: type[LlamaAttention] = LlamaAttention, **attn_kwargs) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, sliding_window, **attn_kwargs)
+        self.self_attn = attention_cls(config, layer_idx, sliding_window, **attn_kwargs)
         self.mlp = LlamaMLP(
             config.hidden_size, config.intermediate_size, bias=getattr(config, "mlp_bias", False)
         )
@@ -126,6 +127,7 @@ class LlamaForCausalLM(nn.Module):
     """
 
     qkv_bias_default = False
+    attention_cls = LlamaAttention  # a family's attention with the same weights and more (Qwen3's q/k norms)
 
     def __init__(self, config, *, attention_backend: str = "auto", kv_cache_dtype: str = "auto") -> None:
         super().__init__()
@@ -137,6 +139,7 @@ class LlamaForCausalLM(nn.Module):
             o_bias=attention_bias,
             attention_backend=attention_backend,
             kv_cache_dtype=kv_cache_dtype,
+            attention_cls=self.attention_cls,
         )
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:

@@ -192,6 +192,9 @@ def load_model(
             raise FileNotFoundError(f"expected a Hugging Face config.json in {str(path)!r}")
         config = AutoConfig.from_pretrained(path)
         architecture = _hf_architecture(config)
+        language_config = getattr(get_model_cls(architecture), "language_config", None)
+        if language_config is not None:  # a multimodal checkpoint whose language model we run
+            config = language_config(config)
         files = _safetensors_files(path)
         weights = _safetensors_weights(files)
         extra_eos = _generation_eos(path)
