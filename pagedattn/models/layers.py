@@ -428,7 +428,6 @@ def encoder_decoder_spec_fields(config, *, max_model_len: int, max_encoder_len: 
         hidden_size=config.d_model,
         max_model_len=max_model_len,
         sliding_windows=(None,) * config.decoder_layers,
-        builder_sliding_window=None,
         num_cross_layers=config.decoder_layers,
         max_encoder_len=max_encoder_len,
         decoder_start_token_id=config.decoder_start_token_id,

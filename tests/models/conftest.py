@@ -15,6 +15,8 @@ import pytest
 import torch
 from tiny_models import TINY_CONFIG, VOCAB, byte_tokenizer
 
+from pagedattn.engine.kv_cache_groups import KVCacheGroups
+
 TINY = TINY_CONFIG
 
 # name -> (transformers config class name, config overrides)
@@ -108,8 +110,10 @@ class PagedRunner:
     def __post_init__(self):
         self.model = self.loaded.model  # tests may swap in a compiled module
         spec = self.loaded.spec
+        # One builder for every layer: it trims the tables only where every layer has one window.
+        groups = KVCacheGroups.of(spec.sliding_windows).groups
         self.builder = self.backend.get_builder_cls()(
-            self.block_size, self.device, sliding_window=spec.builder_sliding_window
+            self.block_size, self.device, sliding_window=groups[0].window if len(groups) == 1 else None
         )
         shape = self.backend.get_kv_cache_shape(self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_size)
         self.kv_caches = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in range(spec.num_layers)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedattn.engine.kv_cache_groups import KVCacheGroups
 from pagedattn.models import load_model
 
 from .conftest import VOCAB
@@ -95,26 +96,26 @@ def test_mixed_batch_of_prefills_and_decodes(loaded, paged_runner):
 
 
 @pytest.mark.parametrize(
-    "loaded, windows, builder_window, tied",
+    "loaded, windows, group_windows, tied",
     [
-        ("llama", (None, None), None, False),
-        ("mistral", (8, 8), 8, False),
-        ("qwen2", (None, None), None, True),
-        ("qwen2_sliding", (None, 8), None, False),
-        ("gemma2", (8, None), None, True),
-        ("qwen3", (None, None), None, False),
-        ("gemma3", (8, 8, None), None, True),
-        ("gpt_oss", (8, None), None, False),
+        ("llama", (None, None), (None,), False),
+        ("mistral", (8, 8), (8,), False),
+        ("qwen2", (None, None), (None,), True),
+        ("qwen2_sliding", (None, 8), (None, 8), False),
+        ("gemma2", (8, None), (None, 8), True),
+        ("qwen3", (None, None), (None,), False),
+        ("gemma3", (8, 8, None), (None, 8, 8), True),
+        ("gpt_oss", (8, None), (None, 8), False),
     ],
     indirect=["loaded"],
 )
-def test_spec_describes_the_model(loaded, windows, builder_window, tied):
+def test_spec_describes_the_model(loaded, windows, group_windows, tied):
     _, lm = loaded
     spec = lm.spec
     assert (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.vocab_size) == (len(windows), 4, 2, VOCAB)
     assert spec.head_size == (32 if spec.architecture == "Qwen3ForCausalLM" else 16)
     assert spec.sliding_windows == windows
-    assert spec.builder_sliding_window == builder_window
+    assert KVCacheGroups.of(spec.sliding_windows).windows == group_windows  # the engine's KV cache groups
     assert spec.eos_token_ids == {257}
     assert spec.dtype == torch.float32
     assert spec.max_model_len == 128
