@@ -25,7 +25,8 @@ def _ours(llm: pagedattn.LLM, prompts: list[list[int]], max_tokens: int) -> list
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3_rope", "mistral", "qwen2", "qwen2_sliding", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "llama3_rope", "mistral", "qwen2", "qwen2_sliding", "gemma2", "qwen3",
+                                    "gemma3", "gpt_oss"])
 def test_tiny_family_greedy_equals_transformers(tiny_checkpoint, backend_name, device, family):
     ckpt = tiny_checkpoint(family)
     gen = torch.Generator().manual_seed(3)
