@@ -1,14 +1,15 @@
-"""gpt-oss over the paged KV cache: attention with sinks, alternating windows, and a mixture of
+"""gpt-oss over the paged KV cache: a Llama-family model with attention sinks and a mixture of
 experts.
 
-Attention: q/k/v/o with biases, YaRN RoPE (NeoX halves, cos/sin scaled by YaRN's attention
-factor), a learned sink logit per query head (`self_attn.sinks`, passed to `pagedattn.Attention`
-as `sinks=`), sliding-window and full layers as `config.layer_types` lists them. MLP: a router
-(linear with bias, softmax over its top-k logits) picks `num_experts_per_tok` of
-`num_local_experts` experts per token; each expert is a clamped SwiGLU (gate and up interleaved
-in one `[hidden, 2I]` matrix, `(up + 1) * gate * sigmoid(alpha * gate)`) with biases, in the
-checkpoint's own layout (`mlp.experts.gate_up_proj [E, hidden, 2I]`, `down_proj [E, I, hidden]`).
-The experts run as a PyTorch loop: correct, not fast.
+Attention (Llama's, `attention_bias`): q/k/v/o with biases, YaRN RoPE (NeoX halves, cos/sin scaled
+by YaRN's attention factor), a learned sink logit per query head (`self_attn.sinks`, passed to
+`pagedattn.Attention` as `sinks=`: backends without `Capabilities.sinks` refuse the model),
+sliding-window and full layers as `config.layer_types` lists them. MLP: a router (linear with
+bias, softmax over its top-k logits) picks `num_experts_per_tok` of `num_local_experts` experts
+per token; each expert is a clamped SwiGLU (gate and up interleaved in one `[hidden, 2I]` matrix,
+`(up + 1) * gate * sigmoid(alpha * gate)`) with biases, in the checkpoint's own layout
+(`mlp.experts.gate_up_proj [E, hidden, 2I]`, `down_proj [E, I, hidden]`). The experts run as a
+PyTorch loop: correct, not fast.
 
 Checkpoints: bf16/float32 weights (transformers' dequantised ones). The released MXFP4 weights
 (`*_blocks`, `*_scales`) are refused with the reason.
@@ -16,51 +17,10 @@ Checkpoints: bf16/float32 weights (transformers' dequantised ones). The released
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
-from pagedattn.layer import Attention
-from pagedattn.models.attention_spec import layer_attention_specs
-from pagedattn.models.layers import (RMSNorm, RotaryEmbedding, STACKED_PARAMS, StackedLinear, apply_rope_,
-                                     float_logits, head_size_of, load_weights, rope_attention_factor,
-                                     rope_inv_freq)
-
-
-class GptOssAttention(nn.Module):
-    def __init__(self, config, layer_idx: int, sliding_window: int | None, *, attention_backend: str,
-                 kv_cache_dtype: str) -> None:
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_size = head_size_of(config)
-        self.q_size = self.num_heads * self.head_size
-        self.kv_size = self.num_kv_heads * self.head_size
-        bias = config.attention_bias
-        self.qkv_proj = StackedLinear(config.hidden_size, (self.q_size, self.kv_size, self.kv_size), bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
-        self.sinks = nn.Parameter(torch.empty(self.num_heads))  # [Hq], read by the attention at each call
-        self.attn = Attention(
-            self.num_heads,
-            self.head_size,
-            self.head_size**-0.5,
-            self.num_kv_heads,
-            backend=attention_backend,
-            layer_idx=layer_idx,
-            sliding_window=sliding_window,
-            kv_cache_dtype=kv_cache_dtype,
-            sinks=self.sinks,
-        )
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden]; cos, sin: [T, 1, D/2] -> [T, hidden]."""
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
-        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_size)
-        apply_rope_(qk, cos, sin)  # q and k heads in one pass, in place
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        return self.o_proj(self.attn(q, k, v))
+from pagedattn.models.llama import LlamaForCausalLM
 
 
 class GptOssExperts(nn.Module):
@@ -115,51 +75,13 @@ class GptOssMLP(nn.Module):
         return self.experts(x, weights)
 
 
-class GptOssDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, sliding_window: int | None, **attn_kwargs) -> None:
-        super().__init__()
-        self.self_attn = GptOssAttention(config, layer_idx, sliding_window, **attn_kwargs)
-        self.mlp = GptOssMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+class GptOssForCausalLM(LlamaForCausalLM):
+    """gpt-oss: Llama with attention sinks and `GptOssMLP`; run it inside `pagedattn.forward_context`."""
 
-    def forward(self, delta: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """As `LlamaDecoderLayer.forward`: the residual stream is `residual + delta`."""
-        if residual is None:
-            x, residual = self.input_layernorm(delta), delta
-        else:
-            x, residual = self.input_layernorm(delta, residual)
-        x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin), residual)
-        return self.mlp(x), residual
+    mlp_cls = GptOssMLP
+    attention_sinks = True
 
-
-class GptOssModel(nn.Module):
-    def __init__(self, config, **attn_kwargs) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary_emb = RotaryEmbedding(rope_inv_freq(config, head_size_of(config)), config.max_position_embeddings,
-                                          rope_attention_factor(config))
-        specs = layer_attention_specs(config, sinks=True)
-        self.layers = nn.ModuleList(
-            GptOssDecoderLayer(config, i, spec.window, **attn_kwargs) for i, spec in enumerate(specs)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary_emb(positions, h.dtype)
-        residual = None
-        for layer in self.layers:
-            h, residual = layer(h, residual, cos, sin)
-        return self.norm(h) if residual is None else self.norm(h, residual)[0]
-
-
-class GptOssForCausalLM(nn.Module):
-    """gpt-oss over a flattened batch of tokens; run it inside `pagedattn.forward_context`."""
-
-    def __init__(self, config, *, attention_backend: str = "auto", kv_cache_dtype: str = "auto") -> None:
-        super().__init__()
+    def __init__(self, config, **kwargs) -> None:
         quant = getattr(config, "quantization_config", None) or {}
         method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
         if method is not None:
@@ -168,21 +90,4 @@ class GptOssForCausalLM(nn.Module):
                 "MXFP4 experts); use a dequantised checkpoint (transformers can save one: load it with "
                 "`Mxfp4Config(dequantize=True)` and `save_pretrained`)"
             )
-        self.config = config
-        self.model = GptOssModel(config, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: int64 [T] -> hidden states [T, hidden] in the model dtype."""
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden: [N, hidden] -> logits float32 [N, vocab] (into `out` when given)."""
-        return float_logits(self.lm_head(hidden), out)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """weights: (Hugging Face name, tensor) pairs, e.g. `model.layers.0.mlp.experts.gate_up_proj`."""
-        ignore = ["rotary_emb.inv_freq"] + (["lm_head.weight"] if self.config.tie_word_embeddings else [])
-        load_weights(self, weights, STACKED_PARAMS, ignore)
+        super().__init__(config, **kwargs)

@@ -54,6 +54,18 @@ FAMILIES = {
 }
 
 
+SINKS = {"gpt_oss"}
+"""Families whose attention has sinks: only backends with `Capabilities.sinks` run them."""
+
+
+def skip_unless_runs(family: str, backend_name: str) -> None:
+    """Skip a test of `family` on a backend that refuses its attention options at construction."""
+    import pagedattn
+
+    if family in SINKS and not pagedattn.get_backend(backend_name).capabilities.sinks:
+        pytest.skip(f"backend {backend_name!r} has no attention sinks, which {family} needs")
+
+
 @torch.no_grad()
 def _randomise(model, norm_base: float) -> None:
     # transformers initialises norms to constants and biases to zero; random values make the

@@ -14,6 +14,7 @@ from pagedattn.engine.llm_engine import LLMEngine
 from pagedattn.engine.sequence import Sequence
 from pagedattn.models import load_model
 
+from .conftest import skip_unless_runs
 from .test_generate_families import _hf_greedy
 
 MAX_TOKENS = 16
@@ -21,6 +22,7 @@ WINDOW, BLOCK = 8, 4  # the tiny configs' window; blocks of 4 so windows span fe
 
 
 def _engine(ckpt, backend_name, device, **kwargs) -> LLMEngine:
+    skip_unless_runs(ckpt.name, backend_name)
     loaded = load_model(ckpt.folder, dtype=torch.float32, device=device, attention_backend=backend_name)
     config = EngineConfig(device=str(device), backend=backend_name, block_size=BLOCK, enforce_eager=True, **kwargs)
     return LLMEngine(config, loaded, check_integrity=True)

@@ -11,7 +11,7 @@ import torch
 from pagedattn.models.attention_spec import FULL_ATTENTION, SLIDING_ATTENTION, LayerAttentionSpec, layer_attention_specs
 from pagedattn.models.layers import rope_attention_factor, rope_inv_freq
 
-from .conftest import FAMILIES, TINY, VOCAB
+from .conftest import FAMILIES, TINY, VOCAB, skip_unless_runs
 
 
 def _config(family: str):
@@ -33,8 +33,9 @@ def test_gemma3_layers_have_a_window_and_rope_base_per_kind():
 def test_gemma3_legacy_config_reads_the_pattern_and_local_base():
     """transformers 4's Gemma 3 config: `sliding_window_pattern`, `rope_local_base_freq`, `rope_theta`
     with `rope_scaling` for the global layers only."""
-    config = SimpleNamespace(model_type="gemma3_text", num_hidden_layers=7, sliding_window=16, sliding_window_pattern=6,
-                             rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0})
+    config = SimpleNamespace(model_type="gemma3_text", num_hidden_layers=7, sliding_window=16,
+                             sliding_window_pattern=6, rope_theta=1e6, rope_local_base_freq=1e4,
+                             rope_scaling={"rope_type": "linear", "factor": 8.0})
     specs = layer_attention_specs(config)
     assert [s.window for s in specs] == [16] * 5 + [None, 16]
     assert [s.rope_theta for s in specs] == [1e4] * 5 + [1e6, 1e4]
@@ -43,9 +44,17 @@ def test_gemma3_legacy_config_reads_the_pattern_and_local_base():
     torch.testing.assert_close(local, 1.0 / (1e4 ** (torch.arange(0, 8, 2).float() / 8)))
 
 
-def test_gpt_oss_layers_alternate_and_have_sinks():
-    specs = layer_attention_specs(_config("gpt_oss"), sinks=True)
-    assert [(s.window, s.sinks) for s in specs] == [(8, True), (None, True)]
+def test_gpt_oss_layers_alternate_and_have_sinks(backend_name, device):
+    from pagedattn.models.gpt_oss import GptOssForCausalLM
+
+    config = _config("gpt_oss")
+    assert layer_attention_specs(config) == (LayerAttentionSpec(SLIDING_ATTENTION, 8, 150000.0),
+                                             LayerAttentionSpec(FULL_ATTENTION, None, 150000.0))
+    skip_unless_runs("gpt_oss", backend_name)
+    with torch.device(device):
+        model = GptOssForCausalLM(config, attention_backend=backend_name)
+    for layer in model.model.layers:
+        assert layer.self_attn.attn.impl.sinks is layer.self_attn.sinks  # the parameter, read at each call
 
 
 @pytest.mark.parametrize("truncate", [False, True])
@@ -90,10 +99,10 @@ def gemma3_image_text(tmp_path_factory):
     config = transformers.Gemma3Config(text_config=text, vision_config=vision.to_dict(), mm_tokens_per_image=4)
     torch.manual_seed(0)
     model = transformers.Gemma3ForConditionalGeneration(config).eval()
-    with torch.no_grad():
+    with torch.no_grad():  # Gemma's norms scale by 1 + weight: around 0, as in conftest
         gen = torch.Generator().manual_seed(1)
         for name, p in model.named_parameters():
-            p.copy_(0.1 * torch.randn(p.shape, generator=gen) if "norm" in name else 0.15 * torch.randn(p.shape, generator=gen))
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.1 if "norm" in name else 0.15))
     folder = tmp_path_factory.mktemp("gemma3_image_text")
     model.save_pretrained(folder, safe_serialization=True)
     byte_tokenizer().save_pretrained(folder)

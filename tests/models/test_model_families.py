@@ -12,7 +12,7 @@ import torch
 from pagedattn.engine.kv_cache_groups import KVCacheGroups
 from pagedattn.models import load_model
 
-from .conftest import VOCAB
+from .conftest import VOCAB, skip_unless_runs
 
 ATOL = 1e-4
 FAMILIES = ["llama", "llama3_rope", "mistral", "qwen2", "qwen2_sliding", "gemma2", "qwen3", "gemma3", "gpt_oss"]
@@ -30,6 +30,7 @@ def _reference_logits(ckpt, tokens: list[int]) -> torch.Tensor:
 
 @pytest.fixture
 def loaded(request, tiny_checkpoint, backend_name, device):
+    skip_unless_runs(request.param, backend_name)
     ckpt = tiny_checkpoint(request.param)
     return ckpt, load_model(ckpt.folder, dtype=torch.float32, device=device, attention_backend=backend_name)
 
