@@ -53,15 +53,28 @@ of the FP8 range."""
 class ForwardContext:
     attn_metadata: AttentionMetadata
     kv_caches: Sequence[torch.Tensor]
+    layer_metadata: Sequence[AttentionMetadata] | None = None
+
+    def metadata_of(self, layer_idx: int) -> AttentionMetadata:
+        """The metadata layer `layer_idx` reads: its own where the context has per-layer ones."""
+        return self.attn_metadata if self.layer_metadata is None else self.layer_metadata[layer_idx]
 
 
 _contexts: list[ForwardContext] = []
 
 
 @contextlib.contextmanager
-def forward_context(attn_metadata: AttentionMetadata, kv_caches: Sequence[torch.Tensor]) -> Iterator[ForwardContext]:
-    """Make `attn_metadata` and the per-layer `kv_caches` visible to every `Attention` layer inside."""
-    ctx = ForwardContext(attn_metadata, kv_caches)
+def forward_context(attn_metadata: AttentionMetadata, kv_caches: Sequence[torch.Tensor], *,
+                    layer_metadata: Sequence[AttentionMetadata] | None = None) -> Iterator[ForwardContext]:
+    """Make `attn_metadata` and the per-layer `kv_caches` visible to every `Attention` layer inside.
+
+    `layer_metadata`: one metadata per layer index instead, for models whose layers read
+    different block tables (an engine's KV cache groups: windowed layers over tables whose
+    out-of-window blocks were freed, full layers over whole ones); the same step, so counts and
+    lengths agree with `attn_metadata` but for a window's dropped blocks."""
+    if layer_metadata is not None and len(layer_metadata) != len(kv_caches):
+        raise ValueError(f"expected one layer_metadata per kv_cache ({len(kv_caches)}), got {len(layer_metadata)}")
+    ctx = ForwardContext(attn_metadata, kv_caches, layer_metadata)
     _contexts.append(ctx)
     try:
         yield ctx
@@ -174,7 +187,7 @@ class Attention(nn.Module):
         if not 0 <= self.layer_idx < len(ctx.kv_caches):
             raise IndexError(f"expected layer_idx < {len(ctx.kv_caches)} caches in the forward context, got {self.layer_idx}")
         kv_cache = ctx.kv_caches[self.layer_idx]
-        md = ctx.attn_metadata
+        md = ctx.metadata_of(self.layer_idx)
         if (
             key is not None
             and (self.calibrating["k"] or self.calibrating["v"])

@@ -11,6 +11,15 @@ A block written by a step must be owned by one sequence: `ensure_slots` copies s
 (copy-on-write after `fork`) and returns the (src, dst) pairs for `Backend.copy_blocks`.
 CPU blocks (the swap pool) are ref-counted the same way, without hashing.
 
+KV cache groups (`engine/kv_cache_groups.py`): a sequence holds one block table per group
+(`seq.block_tables`, all of one length: entry `i` of each covers tokens of logical block `i`),
+drawn from the one pool. A group with a sliding window frees the blocks that left it
+(`SLIDING_FREED` entries) while a full-attention group keeps its own; a model whose layers
+attend alike has one group. Prefix caching registers each group's block under (group, hash);
+a prompt's cached prefix is the longest one that every full group holds whole and every
+windowed group holds within its window of the prefix's end (vLLM's hybrid rule), so a windowed
+group takes back only the blocks it will read.
+
 Encoder-decoder models have a second pool, the cross pool (its own cache tensor per
 cross-attention layer), holding each request's encoder K/V in `seq.cross_block_table`. Its
 blocks are written once, on the step that runs the encoder, and only read after: forks share
@@ -21,8 +30,9 @@ runs again), swapped to the CPU cross pool and back with it.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from pagedattn.attention.types import window_start_block
 from pagedattn.engine.sequence import Sequence, SeqStatus
@@ -58,7 +68,8 @@ class _Pool:
 
 
 class BlockManager:
-    """Owns the GPU and CPU block pools; sequences hold block ids in `seq.block_table`."""
+    """Owns the GPU and CPU block pools; sequences hold block ids in `seq.block_tables`, one
+    table per KV cache group of `group_windows` (each group's sliding window, None: full)."""
 
     def __init__(
         self,
@@ -66,21 +77,24 @@ class BlockManager:
         block_size: int,
         *,
         enable_prefix_caching: bool = True,
-        sliding_window: int | None = None,
+        group_windows: tuple[int | None, ...] = (None,),
         num_cpu_blocks: int = 0,
         num_cross_blocks: int = 0,
         num_cpu_cross_blocks: int = 0,
     ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"expected num_blocks, block_size >= 1, got {num_blocks}, {block_size}")
+        if not group_windows or any(w is not None and w < 1 for w in group_windows):
+            raise ValueError(f"expected one window (None or >= 1) per KV cache group, got {group_windows}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.sliding_window = sliding_window
+        self.group_windows = tuple(group_windows)
         self.ref_counts = [0] * num_blocks
-        self.block_hashes: list[int | None] = [None] * num_blocks
+        # A cached block's key: (its KV cache group, the chained hash of its tokens).
+        self.block_hashes: list[tuple[int, int] | None] = [None] * num_blocks
         self.block_token_ids: list[tuple[int, ...] | None] = [None] * num_blocks
-        self.hash_to_block: dict[int, int] = {}
+        self.hash_to_block: dict[tuple[int, int], int] = {}
         self.free_plain: deque[int] = deque(range(num_blocks))  # free, not in the hash table
         self.evictable: OrderedDict[int, None] = OrderedDict()  # free, cached; oldest first
         self.cpu = _Pool(num_cpu_blocks)
@@ -93,6 +107,11 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         """Blocks an allocation may take (evictable cached blocks included)."""
         return len(self.free_plain) + len(self.evictable)
+
+    @property
+    def num_groups(self) -> int:
+        """KV cache groups: block tables per sequence."""
+        return len(self.group_windows)
 
     @property
     def num_free_cpu_blocks(self) -> int:
@@ -139,8 +158,9 @@ class BlockManager:
 
     # ------------------------------------------------------------------ prefix cache
 
-    def prefix_hits(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding a prefix of `seq`, without taking them.
+    def prefix_hits(self, seq: Sequence) -> list[tuple[int, ...]]:
+        """Cached blocks holding a prefix of `seq`, without taking them: per block of the prefix,
+        each KV cache group's block (`SLIDING_FREED` where a windowed group will not read it).
 
         The last token is always left to compute (its logits are needed), so a prompt made of
         whole cached blocks reuses all but its last block. An encoder-decoder sequence leaves
@@ -148,33 +168,57 @@ class BlockManager:
         cross blocks. A sequence that does not read the cache (`reads_prefix_cache`: its prompt
         logprobs need every position) gets none; its blocks are still registered for others.
         """
-        if not self.enable_prefix_caching or not seq.reads_prefix_cache or seq.num_computed_tokens or seq.block_table:
+        if not self.enable_prefix_caching or not seq.reads_prefix_cache or seq.num_computed_tokens or seq.block_tables:
             return []
-        hits = []
         keep = 2 if seq.encoder_len else 1
+        cached = [[] for _ in self.group_windows]  # per group: its cached block of each prefix block, or None
         for i in range(max(0, len(seq) - keep) // self.block_size):
-            block = self.hash_to_block.get(seq.block_hash(i))
-            if block is None or self.block_token_ids[block] != seq.block_tokens(i):
-                break
-            hits.append(block)
+            h, tokens = seq.block_hash(i), seq.block_tokens(i)
+            for g, blocks in enumerate(cached):
+                block = self.hash_to_block.get((g, h))
+                blocks.append(None if block is None or self.block_token_ids[block] != tokens else block)
+            if any(cached[g][i] is None for g, w in enumerate(self.group_windows) if w is None):
+                break  # a full group reads every block: the prefix ends here
+        n = self._longest_hit(cached)
+        hits = []
+        for i in range(n):
+            hits.append(tuple(
+                SLIDING_FREED if i < window_start_block(n * self.block_size, w, self.block_size) else cached[g][i]
+                for g, w in enumerate(self.group_windows)
+            ))
         return hits
+
+    def _longest_hit(self, cached: list[list[int | None]]) -> int:
+        """The most leading blocks that every group can take from `cached` (see `prefix_hits`):
+        a full group needs all of them, a windowed one those its window of their end reaches."""
+        bs = self.block_size
+        n = min(len(c) if w is not None else next((i for i, b in enumerate(c) if b is None), len(c))
+                for c, w in zip(cached, self.group_windows))
+        runs = []  # windowed groups: (window, cached blocks in a row ending at each block)
+        for c, w in zip(cached, self.group_windows):
+            if w is not None:
+                run = list(itertools.accumulate(c[:n], lambda r, b: 0 if b is None else r + 1, initial=0))[1:]
+                runs.append((w, run))
+        while n and not all(run[n - 1] >= n - window_start_block(n * bs, w, bs) for w, run in runs):
+            n -= 1
+        return n
 
     def admission_cost(self, seq: Sequence, num_tokens: int, lookahead: int = 0) -> tuple[int, int]:
         """(free blocks consumed, tokens already cached) if `seq` is admitted and then computes
         `num_tokens` tokens past its cached prefix."""
         hits = self.prefix_hits(seq)
         cached = len(hits) * self.block_size
-        taken_from_free = sum(self.ref_counts[b] == 0 for b in hits)
+        taken_from_free = sum(b != SLIDING_FREED and self.ref_counts[b] == 0 for row in hits for b in row)
         new = cdiv(cached + num_tokens + lookahead, self.block_size) - len(hits)
-        return taken_from_free + max(new, 0), cached
+        return taken_from_free + max(new, 0) * self.num_groups, cached
 
     def allocate_prefix(self, seq: Sequence) -> int:
         """Take the cached prefix of a sequence with no blocks; returns the tokens it covers."""
-        assert not seq.block_table and seq.num_computed_tokens == 0, seq
+        assert not seq.block_tables and seq.num_computed_tokens == 0, seq
         hits = self.prefix_hits(seq)
-        for block in hits:
+        for block in (b for row in hits for b in row if b != SLIDING_FREED):
             self._incref(block)
-        seq.block_table = list(hits)
+        seq.block_tables = [[row[g] for row in hits] for g in range(self.num_groups)]
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_registered_blocks = len(hits)
         return seq.num_computed_tokens
@@ -192,30 +236,40 @@ class BlockManager:
 
     # ------------------------------------------------------------------ growing
 
+    def min_blocks(self, num_tokens: int) -> int:
+        """A lower bound of the blocks a sequence of `num_tokens` tokens holds to make progress:
+        all of them in a full group, those its window reaches in a windowed one."""
+        full = cdiv(num_tokens, self.block_size)
+        return sum(full if w is None else min(full, cdiv(w, self.block_size)) for w in self.group_windows)
+
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Free blocks that `ensure_slots(seq, num_tokens)` would take (new and copied ones)."""
-        new = max(0, cdiv(num_tokens, self.block_size) - len(seq.block_table))
+        held = len(seq.block_table)
+        new = max(0, cdiv(num_tokens, self.block_size) - held) * self.num_groups
         first = seq.num_computed_tokens // self.block_size
-        last = min(cdiv(num_tokens, self.block_size), len(seq.block_table))
+        last = min(cdiv(num_tokens, self.block_size), held)
         cow = sum(
-            1 for i in range(first, last) if seq.block_table[i] != SLIDING_FREED and self.ref_counts[seq.block_table[i]] > 1
+            1 for table in seq.block_tables for b in table[first:last] if b != SLIDING_FREED and self.ref_counts[b] > 1
         )
         return new + cow
 
     def ensure_slots(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int]]:
-        """Give `seq` blocks for its first `num_tokens` tokens, every block from
+        """Give `seq` blocks for its first `num_tokens` tokens in every group, every block from
         `num_computed_tokens` on owned by `seq` alone. Returns copy-on-write (src, dst) pairs."""
         bs = self.block_size
         copies = []
-        for i in range(seq.num_computed_tokens // bs, min(cdiv(num_tokens, bs), len(seq.block_table))):
-            block = seq.block_table[i]
-            if block != SLIDING_FREED and self.ref_counts[block] > 1:
-                new = self._allocate()
-                self._decref(block)
-                seq.block_table[i] = new
-                copies.append((block, new))
-        while len(seq.block_table) < cdiv(num_tokens, bs):
-            seq.block_table.append(self._allocate())
+        if not seq.block_tables:
+            seq.block_tables = [[] for _ in self.group_windows]
+        for table in seq.block_tables:
+            for i in range(seq.num_computed_tokens // bs, min(cdiv(num_tokens, bs), len(table))):
+                block = table[i]
+                if block != SLIDING_FREED and self.ref_counts[block] > 1:
+                    new = self._allocate()
+                    self._decref(block)
+                    table[i] = new
+                    copies.append((block, new))
+            while len(table) < cdiv(num_tokens, bs):
+                table.append(self._allocate())
         return copies
 
     def mark_computed(self, seq: Sequence, num_computed_tokens: int) -> None:
@@ -226,31 +280,32 @@ class BlockManager:
         if self.enable_prefix_caching:
             full = num_computed_tokens // self.block_size
             for i in range(seq.num_registered_blocks, full):
-                block = seq.block_table[i]
                 h = seq.block_hash(i)
-                if block != SLIDING_FREED and self.block_hashes[block] is None and h not in self.hash_to_block:
-                    self.hash_to_block[h] = block
-                    self.block_hashes[block] = h
-                    self.block_token_ids[block] = seq.block_tokens(i)
+                for g, table in enumerate(seq.block_tables):
+                    block, key = table[i], (g, h)
+                    if block != SLIDING_FREED and self.block_hashes[block] is None and key not in self.hash_to_block:
+                        self.hash_to_block[key] = block
+                        self.block_hashes[block] = key
+                        self.block_token_ids[block] = seq.block_tokens(i)
             seq.num_registered_blocks = max(seq.num_registered_blocks, full)
-        if self.sliding_window is not None:
-            self._free_out_of_window(seq)
+        for table, window in zip(seq.block_tables, self.group_windows):
+            if window is not None:
+                self._free_out_of_window(table, window, seq.num_computed_tokens)
 
-    def _free_out_of_window(self, seq: Sequence) -> None:
+    def _free_out_of_window(self, table: list[int], window: int, num_computed_tokens: int) -> None:
         # Every later step starts at context_len >= num_computed_tokens: what it cannot see,
         # the builder drops, with the same function.
-        dead = window_start_block(seq.num_computed_tokens, self.sliding_window, self.block_size)
-        for i in range(min(dead, len(seq.block_table))):
-            if seq.block_table[i] != SLIDING_FREED:
-                self._decref(seq.block_table[i])
-                seq.block_table[i] = SLIDING_FREED
+        dead = window_start_block(num_computed_tokens, window, self.block_size)
+        for i in range(min(dead, len(table))):
+            if table[i] != SLIDING_FREED:
+                self._decref(table[i])
+                table[i] = SLIDING_FREED
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares every block of `parent` (copied on write by `ensure_slots`)."""
-        child.block_table = list(parent.block_table)
-        for block in child.block_table:
-            if block != SLIDING_FREED:
-                self._incref(block)
+        child.block_tables = [list(table) for table in parent.block_tables]
+        for block in self._held(child):
+            self._incref(block)
         child.cross_block_table = list(parent.cross_block_table)
         for block in child.cross_block_table:
             self.cross.incref(block)
@@ -259,10 +314,11 @@ class BlockManager:
         """Release every block of `seq` (GPU or CPU, by its status), cross blocks included."""
         swapped = seq.status is SeqStatus.SWAPPED
         pool_decref = self.cpu.decref if swapped else self._decref
-        for block in reversed(seq.block_table):
-            if block != SLIDING_FREED:
-                pool_decref(block)
-        seq.block_table = []
+        for table in seq.block_tables:
+            for block in reversed(table):  # the tail first: evicted first
+                if block != SLIDING_FREED:
+                    pool_decref(block)
+        seq.block_tables = []
         cross = self.cpu_cross if swapped else self.cross
         for block in reversed(seq.cross_block_table):
             cross.decref(block)
@@ -271,8 +327,12 @@ class BlockManager:
     # ------------------------------------------------------------------ swapping
 
     @staticmethod
-    def _unique_blocks(seqs: Iterable[Sequence]) -> list[int]:
-        return list(dict.fromkeys(b for s in seqs for b in s.block_table if b != SLIDING_FREED))
+    def _held(seq: Sequence) -> Iterator[int]:
+        """The blocks `seq` holds, every group's, in table order (shared ones once per entry)."""
+        return (b for table in seq.block_tables for b in table if b != SLIDING_FREED)
+
+    def _unique_blocks(self, seqs: Iterable[Sequence]) -> list[int]:
+        return list(dict.fromkeys(b for s in seqs for b in self._held(s)))
 
     @staticmethod
     def _unique_cross_blocks(seqs: Iterable[Sequence]) -> list[int]:
@@ -292,11 +352,12 @@ class BlockManager:
         for cpu_block in mapping.values():
             self.cpu.ref_counts[cpu_block] = 0
         for seq in seqs:
-            for i, block in enumerate(seq.block_table):
-                if block != SLIDING_FREED:
-                    self._decref(block)
-                    self.cpu.incref(mapping[block])
-                    seq.block_table[i] = mapping[block]
+            for table in seq.block_tables:
+                for i, block in enumerate(table):
+                    if block != SLIDING_FREED:
+                        self._decref(block)
+                        self.cpu.incref(mapping[block])
+                        table[i] = mapping[block]
             seq.status = SeqStatus.SWAPPED
         return list(mapping.items()), cross
 
@@ -314,11 +375,12 @@ class BlockManager:
         for gpu_block in mapping.values():
             self.ref_counts[gpu_block] = 0
         for seq in seqs:
-            for i, block in enumerate(seq.block_table):
-                if block != SLIDING_FREED:
-                    self.cpu.decref(block)
-                    self.ref_counts[mapping[block]] += 1
-                    seq.block_table[i] = mapping[block]
+            for table in seq.block_tables:
+                for i, block in enumerate(table):
+                    if block != SLIDING_FREED:
+                        self.cpu.decref(block)
+                        self.ref_counts[mapping[block]] += 1
+                        table[i] = mapping[block]
             seq.status = SeqStatus.RUNNING
             seq.num_registered_blocks = 0  # the fresh blocks may be offered to the cache again
         return list(mapping.items()), cross
@@ -336,9 +398,10 @@ class BlockManager:
         for seq in seqs:
             swapped = seq.status is SeqStatus.SWAPPED
             counts = cpu if swapped else gpu
-            for block in seq.block_table:
-                if block != SLIDING_FREED:
-                    counts[block] += 1
+            assert not seq.block_tables or len(seq.block_tables) == self.num_groups, f"{seq}: expected {self.num_groups} tables"
+            assert len({len(t) for t in seq.block_tables}) <= 1, f"{seq}: its groups' tables differ in length"
+            for block in self._held(seq):
+                counts[block] += 1
             for block in seq.cross_block_table:
                 (cpu_cross if swapped else cross)[block] += 1
         for name, pool, owners in (("cross", self.cross, cross), ("CPU cross", self.cpu_cross, cpu_cross)):
@@ -353,8 +416,8 @@ class BlockManager:
         assert set(free) == {b for b in range(self.num_blocks) if gpu[b] == 0}, "GPU free lists != unreferenced blocks"
         assert len(self.cpu.free) == len(set(self.cpu.free)), "a CPU block is listed free twice"
         assert set(self.cpu.free) == {b for b in range(self.cpu.num_blocks) if cpu[b] == 0}, "CPU free list mismatch"
-        for h, block in self.hash_to_block.items():
-            assert self.block_hashes[block] == h, f"hash table names block {block} whose hash is {self.block_hashes[block]}"
+        for key, block in self.hash_to_block.items():
+            assert self.block_hashes[block] == key, f"hash table names block {block} whose key is {self.block_hashes[block]}"
             assert self.block_token_ids[block] is not None and len(self.block_token_ids[block]) == self.block_size
         for block, h in enumerate(self.block_hashes):
             assert h is None or self.hash_to_block.get(h) == block, f"block {block} has hash {h} the table does not map to it"

@@ -5,7 +5,9 @@ sharing one memory pool, through the backend's `AttentionState`, twice: for any 
 capture metadata's `max_decode_seq_len` is the block table's room) and for steps whose longest
 context is at most SHORT_CONTEXT tokens. A kernel plans its launch from that host int at
 capture (the `triton` backend: key tiles and split-KV count); a graph planned for any length
-runs short contexts, an engine's usual early steps, slower (docs/PERF.md).
+runs short contexts, an engine's usual early steps, slower (docs/PERF.md). A model in several KV
+cache groups has a state per group (`engine/step_metadata.py`): each graph reads every group's
+buffers, each group's layers their own.
 
 A graph runs the model on its input-id and position buffers and then `compute_logits`, so a
 replayed step hands the sampler float32 logits [batch, vocab] with no launch of its own in
@@ -19,6 +21,7 @@ kernels, queued behind the replay on the same stream, read them first.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 from dataclasses import dataclass, replace
@@ -26,9 +29,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from pagedattn.attention.backend import AttentionBackend
-from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.state import AttentionState
-from pagedattn.layer import forward_context
+from pagedattn.engine.step_metadata import GroupedMetadataBuilder, StepMetadata, group_impls
 
 logger = logging.getLogger(__name__)
 
@@ -38,16 +40,18 @@ SHORT_CONTEXT = 256  # the short class's bound on a step's longest context, in t
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    state: AttentionState
-    buffers: dict[str, torch.Tensor]
+    states: list[AttentionState]  # per KV cache group
+    buffers: list[dict[str, torch.Tensor]]  # per KV cache group
     logits: torch.Tensor  # float32 [batch size, vocab]: rows of the shared buffer, rewritten by each replay
 
 
 class DecodeGraphs:
     """`logits(md, ids, pos)` replays the graph of the step's padded batch size (`size_for`)."""
 
-    def __init__(self, model, backend: type[AttentionBackend], attention_impls, kv_caches: list[torch.Tensor], *,
-                 max_num_seqs: int, max_blocks_per_seq: int, block_size: int, device: torch.device):
+    def __init__(self, model, backend: type[AttentionBackend], builder: GroupedMetadataBuilder,
+                 kv_caches: list[torch.Tensor], *, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
+                 device: torch.device):
+        """builder: the engine's, for its KV cache groups (a state each) and which layers read each."""
         self.model = model
         self.kv_caches = kv_caches
         self.device = device
@@ -61,8 +65,11 @@ class DecodeGraphs:
         self._pos = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self._graphs: dict[tuple[int | None, int], _Graph] = {}
         self._logits: torch.Tensor | None = None  # float32 [max_num_seqs, vocab], every graph's output
-        state = backend.get_state_cls()(max_num_seqs, max_blocks_per_seq, block_size, device)
-        state.set_layers(attention_impls)
+        self.layer_group = builder.layer_group
+        states = []
+        for impls in group_impls(model, builder.layer_group, len(builder.builders)):
+            states.append(backend.get_state_cls()(max_num_seqs, max_blocks_per_seq, block_size, device))
+            states[-1].set_layers(impls)
         # No garbage collection inside a capture: a cycle collected there (an old engine: its
         # graphs, pinned buffers, events) frees CUDA resources, which invalidates the capture
         # (seen as CUBLAS_STATUS_INTERNAL_ERROR); PyTorch's `torch.cuda.graph` no longer collects.
@@ -71,7 +78,7 @@ class DecodeGraphs:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            self._capture(state)
+            self._capture(states)
         finally:
             if collecting:
                 gc.enable()
@@ -79,18 +86,21 @@ class DecodeGraphs:
         logger.info("captured CUDA graphs for decode batch sizes %s, contexts %s", self.sizes,
                     " and ".join("any" if c is None else f"<= {c}" for c in self.classes))
 
-    def _capture(self, state: AttentionState) -> None:
+    def _capture(self, states: list[AttentionState]) -> None:
         pool = None
-        with torch.inference_mode(), state.graph_capture(self.max_num_seqs):
+        with torch.inference_mode(), contextlib.ExitStack() as capturing:
+            for state in states:
+                capturing.enter_context(state.graph_capture(self.max_num_seqs))
             for limit, bs in [(c, s) for c in self.classes for s in reversed(self.sizes)]:
                 # largest first, so smaller graphs reuse its memory pool
-                md = state.graph_capture_get_metadata_for_batch(bs)
+                mds = [state.graph_capture_get_metadata_for_batch(bs) for state in states]
                 if limit is not None:
-                    md = replace(md, max_decode_seq_len=limit)
-                graph_state = state.graph_clone(bs)
-                graph_state.begin_forward(md)
+                    mds = [replace(md, max_decode_seq_len=limit) for md in mds]
+                graph_states = [state.graph_clone(bs) for state in states]
+                for graph_state, md in zip(graph_states, mds):
+                    graph_state.begin_forward(md)
                 ids, pos = self._ids[:bs], self._pos[:bs]
-                with forward_context(md, self.kv_caches):
+                with StepMetadata(mds, self.layer_group).context(self.kv_caches):
                     warm = self.model.compute_logits(self.model(ids, pos))  # warm-up outside the graph
                     if self._logits is None:  # the largest size comes first
                         self._logits = torch.empty(self.max_num_seqs, warm.shape[1], dtype=torch.float32,
@@ -101,7 +111,8 @@ class DecodeGraphs:
                     with torch.cuda.graph(graph, pool=pool):
                         logits = self.model.compute_logits(self.model(ids, pos), out=self._logits[:bs])
                 pool = graph.pool() if pool is None else pool
-                self._graphs[limit, bs] = _Graph(graph, graph_state, graph_state.get_graph_input_buffers(md), logits)
+                buffers = [gs.get_graph_input_buffers(md) for gs, md in zip(graph_states, mds)]
+                self._graphs[limit, bs] = _Graph(graph, graph_states, buffers, logits)
 
     @staticmethod
     def batch_sizes(max_num_seqs: int) -> list[int]:
@@ -113,15 +124,16 @@ class DecodeGraphs:
         """The smallest captured batch size that holds `batch_size` sequences, or None (eager)."""
         return min((s for s in self.sizes if s >= batch_size), default=None)
 
-    def logits(self, md: AttentionMetadata, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def logits(self, md: StepMetadata, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """float32 [pad_to, vocab] for a decode-only step padded to a captured size (`md.num_seqs`);
         rows past `ids.shape[0]` are the padding's."""
         pad_to = md.num_seqs
         short = SHORT_CONTEXT in self.classes and md.max_decode_seq_len <= SHORT_CONTEXT
         self._last = (SHORT_CONTEXT if short else None, pad_to)
         g = self._graphs[self._last]
-        g.state.prepare_graph_input_buffers(g.buffers, md)
-        g.state.begin_forward(md)
+        for state, buffers, group_md in zip(g.states, g.buffers, md.groups):
+            state.prepare_graph_input_buffers(buffers, group_md)
+            state.begin_forward(group_md)
         n = ids.shape[0]
         self._ids[:n].copy_(ids)
         self._pos[:n].copy_(pos)

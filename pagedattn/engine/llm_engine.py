@@ -72,7 +72,7 @@ class LLMEngine:
             self.runner.num_blocks,
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
-            sliding_window=self.spec.builder_sliding_window,
+            group_windows=self.runner.kv_groups.windows,
             num_cpu_blocks=self.runner.num_cpu_blocks,
             num_cross_blocks=self.runner.num_cross_blocks,
             num_cpu_cross_blocks=self.runner.num_cpu_cross_blocks,

@@ -12,6 +12,10 @@ hidden states go through the output head too, only for those requests. A step la
 `after` another reads its input tokens from that one's draws on the device (async
 scheduling); the sampler then counts each row's last token (penalties, min_tokens) from there.
 
+Models that mix windowed and full layers keep their layers in KV cache groups
+(`engine/kv_cache_groups.py`): layers of different groups share cache tensors, each group has
+its own block tables, and a step's metadata is built per group (`engine/step_metadata.py`).
+
 Encoder-decoder models (`spec.num_cross_layers > 0`) have a cross pool too: one cache tensor
 per cross-attention layer, with as many blocks as the decoder pool (a request's encoder
 prompt is bounded like its decoder tokens), in the same backend layout. The forward
@@ -31,19 +35,20 @@ import time
 import torch
 
 from pagedattn.attention.backend import AttentionBackend
-from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.types import ScheduledSeq
 from pagedattn.dtypes import kv_cache_dtype
 from pagedattn.engine.config import EngineConfig
 from pagedattn.engine.decode_graphs import DecodeGraphs
+from pagedattn.engine.kv_cache_groups import KVCacheGroups
 from pagedattn.engine.launched_step import LaunchedStep
 from pagedattn.engine.logprobs import PromptPlan, TopLogprobs, num_logprobs
 from pagedattn.engine.sampler import Sampler, SamplingBatch
 from pagedattn.engine.sampling_params import SamplingParams
 from pagedattn.engine.scheduler import ScheduledChunk, SchedulerOutput
+from pagedattn.engine.step_metadata import GroupedMetadataBuilder, StepMetadata
 from pagedattn.engine.warmup import warmup_steps
 from pagedattn.intmath import cdiv
-from pagedattn.layer import attention_impls, forward_context, kv_scale_calibration_paused
+from pagedattn.layer import kv_scale_calibration_paused
 from pagedattn.models.layers import pack_linears_for_cpu
 
 logger = logging.getLogger(__name__)
@@ -63,7 +68,10 @@ class ModelRunner:
         if device.type == "cpu":
             pack_linears_for_cpu(self.model)
         self.spec = loaded.spec
-        self.num_caches = self.spec.num_layers + self.spec.num_cross_layers  # decoder layers', then cross layers'
+        # Layers in KV cache groups (one unless windowed and full layers mix): the pool's cache
+        # tensors are the groups' shared ones, then the cross layers'.
+        self.kv_groups = KVCacheGroups.of(self.spec.sliding_windows)
+        self.num_caches = self.kv_groups.num_tensors + self.spec.num_cross_layers
         self.audio = loaded.audio  # an audio encoder's LogMelInput, or None
         self.backend = backend
         self.device = device
@@ -72,11 +80,9 @@ class ModelRunner:
         self.max_num_batched_tokens = config.batched_tokens(self.spec.max_model_len, device)
         lookahead = config.num_scheduler_steps - 1
         self.max_blocks_per_seq = cdiv(self.spec.max_model_len + 1 + lookahead, self.block_size)
-        self.builder = backend.get_builder_cls()(
-            self.block_size, device, sliding_window=self.spec.builder_sliding_window
-        )
-        self.attention_impls = attention_impls(self.model)
-        self.builder.set_layers(self.attention_impls)  # backends that plan per layer plan these
+        self.builder = GroupedMetadataBuilder(backend, self.block_size, device, self.kv_groups,
+                                              self.spec.num_layers + self.spec.num_cross_layers)
+        self.builder.set_layers(self.model)  # backends that plan per layer plan these
         self.cache_dtype = kv_cache_dtype(config.kv_cache_dtype, self.spec.dtype)
         self.default_generator = torch.Generator(device=device).manual_seed(config.seed)
         self.sampler = Sampler(self.default_generator)
@@ -86,8 +92,10 @@ class ModelRunner:
 
         self.num_blocks = self._num_kv_blocks(config)
         shape = backend.get_kv_cache_shape(self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_size)
-        # Decoder layers' caches, then cross layers' (the layers' `layer_idx` order).
-        self.kv_caches = [torch.zeros(shape, dtype=self.cache_dtype, device=device) for _ in range(self.num_caches)]
+        self.cache_tensors = [torch.zeros(shape, dtype=self.cache_dtype, device=device) for _ in range(self.num_caches)]
+        # Each layer's cache in `layer_idx` order: decoder layers' (a tensor per group position), then cross layers'.
+        groups_end = self.kv_groups.num_tensors
+        self.kv_caches = self.kv_groups.layer_caches(self.cache_tensors[:groups_end]) + self.cache_tensors[groups_end:]
         self.num_cross_blocks = self.num_blocks if self.spec.num_cross_layers else 0
         self.num_cpu_blocks = self._num_cpu_blocks(config)
         cpu_shape = backend.get_kv_cache_shape(
@@ -123,8 +131,10 @@ class ModelRunner:
     def _num_kv_blocks(self, config: EngineConfig) -> int:
         """The pool's blocks: `num_kv_blocks` as given (tests shrink it on purpose), else sized
         from memory and refused, as vLLM does, when one request of the whole context cannot fit."""
+        per_request = self.kv_groups.blocks_per_request(self.max_blocks_per_seq * self.block_size, self.block_size,
+                                                        self.max_num_batched_tokens)
         if config.num_kv_blocks is not None:
-            if config.num_kv_blocks < self.max_blocks_per_seq:
+            if config.num_kv_blocks < per_request:
                 logger.warning(
                     "num_kv_blocks=%d holds fewer tokens (%d) than one request of max_model_len=%d",
                     config.num_kv_blocks, config.num_kv_blocks * self.block_size, self.spec.max_model_len,
@@ -138,13 +148,13 @@ class ModelRunner:
         else:
             # The CPU budget; more blocks than max_num_seqs full-length sequences would never be used.
             num = int(config.cpu_kv_cache_gib * _GIB // self._block_bytes())
-            num = min(num, self.max_num_seqs * self.max_blocks_per_seq)
+            num = min(num, self.max_num_seqs * per_request)
             budget = f"the CPU budget of {config.cpu_kv_cache_gib} GiB"
-            raise_hint = f"set num_kv_blocks (--num-kv-blocks) to at least {self.max_blocks_per_seq}"
-        if num < self.max_blocks_per_seq:
+            raise_hint = f"set num_kv_blocks (--num-kv-blocks) to at least {per_request}"
+        if num < per_request:
             raise ValueError(
                 f"expected the KV pool to hold one request of max_model_len={self.spec.max_model_len} tokens "
-                f"({self.max_blocks_per_seq} blocks of {self.block_size}), got {max(num, 0)} blocks "
+                f"({per_request} blocks of {self.block_size}), got {max(num, 0)} blocks "
                 f"({max(num, 0) * self.block_size} tokens, {self._block_bytes()} bytes a block) in {budget}; "
                 f"{raise_hint}, or lower max_model_len (--max-model-len)"
             )
@@ -156,7 +166,7 @@ class ModelRunner:
         before = torch.cuda.memory_allocated(self.device)
         try:
             graphs = DecodeGraphs(
-                self.model, self.backend, self.attention_impls, self.kv_caches, max_num_seqs=self.max_num_seqs,
+                self.model, self.backend, self.builder, self.kv_caches, max_num_seqs=self.max_num_seqs,
                 max_blocks_per_seq=self.max_blocks_per_seq, block_size=self.block_size, device=self.device,
             )
         except torch.OutOfMemoryError as exc:
@@ -208,8 +218,8 @@ class ModelRunner:
                 window = (self.audio.num_mel_bins, self.audio.max_frames)
                 encoder = ([torch.zeros(window, device=self.device) for _ in seqs], encoder_pos)
         md = self.builder.build(seqs)
-        empty = [torch.empty(0, dtype=self.cache_dtype, device=self.device)] * self.num_caches
-        with forward_context(md, empty):
+        empty = [torch.empty(0, dtype=self.cache_dtype, device=self.device)] * len(self.builder.layer_group)
+        with md.context(empty):
             hidden = self._forward(ids, pos, encoder)
         rows = min(self.max_num_seqs, hidden.shape[0])
         logits = self.model.compute_logits(hidden[-rows:])
@@ -231,8 +241,8 @@ class ModelRunner:
         seqs = [ScheduledSeq(1, 1, [0])] * self.max_num_seqs
         ids = torch.zeros(self.max_num_seqs, dtype=torch.int64, device=self.device)
         md = self.builder.build(seqs)
-        empty = [torch.empty(0, dtype=self.cache_dtype, device=self.device)] * self.num_caches
-        with forward_context(md, empty):
+        empty = [torch.empty(0, dtype=self.cache_dtype, device=self.device)] * len(self.builder.layer_group)
+        with md.context(empty):
             logits = self.model.compute_logits(self._forward(ids, torch.zeros_like(ids), None))
         torch.cuda.synchronize(self.device)
         del logits
@@ -276,7 +286,7 @@ class ModelRunner:
         every_row_sampled = all(c.sample for c in out.chunks)
         graphed = out.is_decode_only and every_row_sampled and prompt is None
         pad_to = self._graph_size(len(seqs)) if graphed else None
-        md = self.builder.build(seqs, cuda_graph_pad_to=pad_to)
+        md = self._build(out.chunks, pad_to)
         if pad_to is None:
             hidden = self._run(md, ids, pos, encoder)
             logits = self.model.compute_logits(hidden.index_select(0, sample_idx))  # [sampled chunks, V]
@@ -372,7 +382,7 @@ class ModelRunner:
         if pad_to is not None and pad_to > n:  # advance_step reads every row of the batch
             ids = torch.cat([ids, ids.new_zeros(pad_to - n)])
             pos = torch.cat([pos, pos.new_zeros(pad_to - n)])
-        md = self.builder.build(seqs, cuda_graph_pad_to=pad_to)
+        md = self._build(out.chunks, pad_to)
         draws = []
         for step in range(out.num_steps):
             if step:
@@ -387,8 +397,8 @@ class ModelRunner:
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
         # Order matters: swapped-out blocks may be reused by swap-ins and copies of this step.
-        n = self.spec.num_layers  # the decoder pool's caches come first, then the cross pool's
-        gpu_pools = ((self.kv_caches[:n], self.cpu_caches[:n]), (self.kv_caches[n:], self.cpu_caches[n:]))
+        n = self.kv_groups.num_tensors  # the decoder pool's caches come first, then the cross pool's
+        gpu_pools = ((self.cache_tensors[:n], self.cpu_caches[:n]), (self.cache_tensors[n:], self.cpu_caches[n:]))
         for (gpus, cpus), pairs in zip(gpu_pools, (out.swap_out, out.cross_swap_out)):
             if pairs:
                 mapping = torch.tensor(pairs, dtype=torch.int64)
@@ -400,7 +410,7 @@ class ModelRunner:
                 for gpu, cpu in zip(gpus, cpus):
                     self.backend.swap_blocks(cpu, gpu, mapping)
         if out.copies:  # cross blocks are never written after their prefill: no copy-on-write
-            self.backend.copy_blocks(self.kv_caches[:n], self._device_ints(out.copies))
+            self.backend.copy_blocks(self.cache_tensors[:n], self._device_ints(out.copies))
 
     def _prepare(self, chunks: list[ScheduledChunk], after: LaunchedStep | None = None):
         """Input ids and positions int64 [T], sampled-row indices int64 [S] (one H2D copy), and
@@ -452,9 +462,14 @@ class ModelRunner:
             return self.model(ids, pos, *(encoder or (None, None)))
         return self.model(ids, pos)
 
-    def _run(self, md: AttentionMetadata, ids: torch.Tensor, pos: torch.Tensor, encoder: tuple | None = None):
+    def _build(self, chunks: list[ScheduledChunk], pad_to: int | None) -> StepMetadata:
+        """The step's metadata, each KV cache group's over its block tables."""
+        seqs = [[c.scheduled_in(g) for c in chunks] for g in range(len(self.kv_groups.groups))]
+        return self.builder.build(seqs, cuda_graph_pad_to=pad_to)
+
+    def _run(self, md: StepMetadata, ids: torch.Tensor, pos: torch.Tensor, encoder: tuple | None = None):
         """hidden [T, H], eagerly; `encoder`: the step's encoder input and positions (`_prepare_encoder`)."""
-        with forward_context(md, self.kv_caches):
+        with md.context(self.kv_caches):
             return self._forward(ids, pos, encoder)
 
     # ------------------------------------------------------------------ CUDA graphs

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -41,13 +41,20 @@ class ScheduledChunk:
     """Tokens `[context_len, seq_len)` of `seq` in this step.
 
     `scheduled` is what the metadata builder gets (lengths and `seq.block_table` as of this
-    step); its `is_prefill` is the one prefill-or-decode rule the engine reads.
+    step); its `is_prefill` is the one prefill-or-decode rule the engine reads. `block_tables`
+    are the sequence's tables of every KV cache group as of this step (the first is
+    `scheduled.block_table`); `scheduled_in(g)` is what group `g`'s builder gets.
     """
 
     seq: Sequence
     group: SequenceGroup
     scheduled: ScheduledSeq
     sample: bool  # the chunk ends at the sequence's last token: its logits are sampled
+    block_tables: tuple[tuple[int, ...], ...] = ()
+
+    def scheduled_in(self, kv_group: int) -> ScheduledSeq:
+        """The chunk over KV cache group `kv_group`'s block table."""
+        return self.scheduled if kv_group == 0 else replace(self.scheduled, block_table=self.block_tables[kv_group])
 
     @property
     def num_tokens(self) -> int:
@@ -279,8 +286,8 @@ class Scheduler:
             plan = self._plan(group, budget.tokens, budget.seqs)
             if not plan:
                 return
-            # After swap-in every block is fresh; a shared last block may still need a copy.
-            need = self.bm.swap_in_cost(seqs) + sum(
+            # After swap-in every block is fresh; a shared last block (of each group) may still need a copy.
+            need = self.bm.swap_in_cost(seqs) + self.bm.num_groups * sum(
                 max(0, cdiv(self._target(st), self.block_size) - len(s.block_table)) + 1 for s, st, _ in plan
             )
             cross_need = self.bm.cross_swap_in_cost(seqs)
@@ -376,7 +383,7 @@ class Scheduler:
     def _min_blocks(self, group: SequenceGroup) -> int:
         """A lower bound of the blocks the group needs to make progress: its longest sequence
         and the slot of its next token (sequences may share blocks)."""
-        return max(cdiv(len(s) + 1, self.block_size) for s in group.live_seqs)
+        return max(self.bm.min_blocks(len(s) + 1) for s in group.live_seqs)
 
     def _too_big_message(self, group: SequenceGroup) -> str:
         tokens = sum(len(s) for s in group.live_seqs)
@@ -395,9 +402,10 @@ class Scheduler:
             out.copies += self.bm.ensure_slots(seq, self._target(step))
             self.bm.ensure_cross_blocks(seq)
             # Copies: the block manager edits the tables in place after the step.
-            scheduled = ScheduledSeq(step.seq_len, step.query_len, tuple(seq.block_table), step.encoder_len,
+            tables = tuple(tuple(t) for t in seq.block_tables)
+            scheduled = ScheduledSeq(step.seq_len, step.query_len, tables[0], step.encoder_len,
                                      tuple(seq.cross_block_table))
-            out.chunks.append(ScheduledChunk(seq, group, scheduled, sample))
+            out.chunks.append(ScheduledChunk(seq, group, scheduled, sample, tables))
             budget.tokens -= step.query_len + _encoder_tokens(step)
             budget.seqs -= 1
 

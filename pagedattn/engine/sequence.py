@@ -65,7 +65,9 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
-        self.block_table: list[int] = []
+        # One block table per KV cache group (the block manager's), all of one length; none
+        # while the sequence holds no blocks.
+        self.block_tables: list[list[int]] = []
         self.encoder_token_ids = tuple(encoder_token_ids)
         self.encoder_features = encoder_features
         self.cross_block_table: list[int] = []
@@ -90,8 +92,13 @@ class Sequence:
     def __repr__(self) -> str:
         return (
             f"Sequence(id={self.seq_id}, len={len(self)}, computed={self.num_computed_tokens}, "
-            f"status={self.status.value}, blocks={self.block_table})"
+            f"status={self.status.value}, blocks={self.block_tables})"
         )
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV cache group's block table (the only one when every layer attends alike)."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def encoder_len(self) -> int:
@@ -155,7 +162,7 @@ class Sequence:
         child = copy.copy(self)
         child.seq_id = seq_id
         child.token_ids = list(self.token_ids)
-        child.block_table = []
+        child.block_tables = []
         child.cross_block_table = []
         child._block_hashes = list(self._block_hashes)
         child.generator = None
@@ -169,7 +176,7 @@ class Sequence:
         tokens stay, and so does the grammar matcher's state over them."""
         self.num_computed_tokens = 0
         self.num_registered_blocks = 0
-        self.block_table = []
+        self.block_tables = []
         self.cross_block_table = []
         self.status = SeqStatus.WAITING
 

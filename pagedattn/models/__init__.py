@@ -12,7 +12,11 @@ ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "pagedattn.models.llama",
     "MistralForCausalLM": "pagedattn.models.llama",
     "Qwen2ForCausalLM": "pagedattn.models.llama",
+    "Qwen3ForCausalLM": "pagedattn.models.qwen3",
     "Gemma2ForCausalLM": "pagedattn.models.gemma2",
+    "Gemma3ForCausalLM": "pagedattn.models.gemma3",
+    "Gemma3ForConditionalGeneration": "pagedattn.models.gemma3",
+    "GptOssForCausalLM": "pagedattn.models.gpt_oss",
     "BartForConditionalGeneration": "pagedattn.models.bart",
     "WhisperForConditionalGeneration": "pagedattn.models.whisper",
 }

@@ -92,9 +92,11 @@ class Gemma2MLP(nn.Module):
 
 
 class Gemma2DecoderLayer(nn.Module):
+    attention_cls = Gemma2Attention  # Gemma 3's layer is this one around its own attention
+
     def __init__(self, config, layer_idx: int, sliding_window: int | None, **attn_kwargs) -> None:
         super().__init__()
-        self.self_attn = Gemma2Attention(config, layer_idx, sliding_window, **attn_kwargs)
+        self.self_attn = self.attention_cls(config, layer_idx, sliding_window, **attn_kwargs)
         self.mlp = Gemma2MLP(config)
         eps = config.rms_norm_eps
         self.input_layernorm = Gemma2RMSNorm(config.hidden_size, eps)
@@ -135,10 +137,12 @@ class Gemma2Model(nn.Module):
 class Gemma2ForCausalLM(nn.Module):
     """Gemma 2 over a flattened batch of tokens; run it inside `pagedattn.forward_context`."""
 
+    model_cls = Gemma2Model  # Gemma 3's head, logits and weights are these around its own model
+
     def __init__(self, config, *, attention_backend: str = "auto", kv_cache_dtype: str = "auto") -> None:
         super().__init__()
         self.config = config
-        self.model = Gemma2Model(
+        self.model = self.model_cls(
             config, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype
         )
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)

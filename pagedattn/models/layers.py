@@ -16,7 +16,7 @@ from torch import nn
 
 from pagedattn.layer import Attention
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 STACKED_PARAMS = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
@@ -100,16 +100,35 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), shape, eps=self.eps).to(x.dtype)
 
 
-def rope_inv_freq(config, head_size: int) -> torch.Tensor:
-    """The rotary inverse frequencies `[head_size // 2]` float32 of a Hugging Face config.
+def rope_parameters(config, layer_type: str | None = None) -> dict:
+    """The RoPE parameters (`rope_type`, `rope_theta`, and the type's own: `factor`, ...) of the
+    layers of `layer_type` ("full_attention", "sliding_attention"; None: the config's only set).
 
-    Reads `config.rope_parameters` (transformers >= 5) or the older `rope_theta` + `rope_scaling`.
-    Supports the rope types in `ROPE_TYPES`; others raise `NotImplementedError`.
+    Reads `config.rope_parameters` (transformers >= 5; Gemma 3's holds one set per layer type) or
+    the older `rope_theta` + `rope_scaling`, where Gemma 3's local layers have their own base
+    (`rope_local_base_freq`) and no scaling.
     """
     params = getattr(config, "rope_parameters", None)
-    if not params:
-        params = dict(getattr(config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    if params:
+        if all(isinstance(v, Mapping) for v in params.values()):  # one set per layer type
+            if layer_type not in params:
+                raise ValueError(f"expected rope_parameters for layer type {layer_type!r}, got {sorted(params)}")
+            return dict(params[layer_type])
+        return dict(params)
+    if layer_type == "sliding_attention" and getattr(config, "rope_local_base_freq", None) is not None:
+        return {"rope_type": "default", "rope_theta": config.rope_local_base_freq}
+    params = dict(getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+def rope_inv_freq(config, head_size: int, layer_type: str | None = None) -> torch.Tensor:
+    """The rotary inverse frequencies `[head_size // 2]` float32 of a Hugging Face config (of the
+    layers of `layer_type`, see `rope_parameters`).
+
+    Supports the rope types in `ROPE_TYPES`; others raise `NotImplementedError`.
+    """
+    params = rope_parameters(config, layer_type)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise NotImplementedError(
@@ -123,7 +142,47 @@ def rope_inv_freq(config, head_size: int) -> torch.Tensor:
         return inv_freq / float(params["factor"])
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, params)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, params, head_size)
     raise NotImplementedError(f"expected a rope_type in {list(ROPE_TYPES)}, got {rope_type!r}")
+
+
+def rope_attention_factor(config, layer_type: str | None = None) -> float:
+    """The factor on cos and sin of the layers of `layer_type`: YaRN's attention factor (its
+    `attention_factor`, else from `factor`, `mscale` and `mscale_all_dim` as transformers
+    computes it), 1.0 for the other rope types."""
+    params = rope_parameters(config, layer_type)
+    if params.get("rope_type", params.get("type")) != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor, mscale, mscale_all_dim = float(params["factor"]), params.get("mscale"), params.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    return _yarn_mscale(factor)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, params: Mapping, head_size: int) -> torch.Tensor:
+    # YaRN keeps the fast dimensions (more than `beta_fast` turns over the original context),
+    # divides the slow ones (fewer than `beta_slow`) by `factor`, and ramps linearly in between.
+    base, factor = float(params["rope_theta"]), float(params["factor"])
+    original_len = float(params["original_max_position_embeddings"])
+
+    def dim_of(turns: float) -> float:  # the dimension that turns `turns` times over the original context
+        return head_size * math.log(original_len / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(params.get("beta_fast") or 32), dim_of(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_size - 1)
+    if low == high:
+        high += 0.001  # no singular ramp
+    ramp = ((torch.arange(head_size // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, params: Mapping) -> torch.Tensor:
@@ -143,11 +202,12 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: Mapping) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to `max_positions`, gathered by `positions` (NeoX halves layout)."""
 
-    def __init__(self, inv_freq: torch.Tensor, max_positions: int) -> None:
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int, scaling: float = 1.0) -> None:
+        """scaling: a factor on cos and sin (`rope_attention_factor`: YaRN's)."""
         super().__init__()
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)  # [P, D/2] float32
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)  # [P, D/2] float32
+        self.register_buffer("cos_cache", freqs.cos() * scaling, persistent=False)  # [P, D/2] float32
+        self.register_buffer("sin_cache", freqs.sin() * scaling, persistent=False)  # [P, D/2] float32
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: int64 [T] -> (cos, sin), each [T, 1, D/2] in `dtype` (broadcast over heads)."""
@@ -263,16 +323,19 @@ def _return_freed_memory() -> None:
 def layer_sliding_windows(config) -> tuple[int | None, ...]:
     """The sliding window of each layer (None: full attention), as transformers' config defines it.
 
-    transformers >= 5 lists `layer_types` ("sliding_attention"/"full_attention") for Qwen2 and
-    Gemma2; configs without it (Llama, Mistral) use `sliding_window` for every layer.
+    transformers >= 5 lists `layer_types` ("sliding_attention"/"full_attention") for Qwen2/3,
+    Gemma 2/3 and gpt-oss; configs without it (Llama, Mistral) use `sliding_window` for every layer.
     """
     window = getattr(config, "sliding_window", None)
     num_layers = config.num_hidden_layers
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None:  # transformers < 5
-        if config.model_type == "gemma2":
+        if config.model_type in ("gemma2", "gpt_oss"):
             return tuple(window if i % 2 == 0 else None for i in range(num_layers))
-        if config.model_type == "qwen2":
+        if config.model_type == "gemma3_text":  # every `sliding_window_pattern`-th layer is global
+            pattern = config.sliding_window_pattern
+            return tuple(None if (i + 1) % pattern == 0 else window for i in range(num_layers))
+        if config.model_type in ("qwen2", "qwen3"):
             if not getattr(config, "use_sliding_window", False):
                 return (None,) * num_layers
             first = getattr(config, "max_window_layers", 0)
@@ -365,7 +428,6 @@ def encoder_decoder_spec_fields(config, *, max_model_len: int, max_encoder_len: 
         hidden_size=config.d_model,
         max_model_len=max_model_len,
         sliding_windows=(None,) * config.decoder_layers,
-        builder_sliding_window=None,
         num_cross_layers=config.decoder_layers,
         max_encoder_len=max_encoder_len,
         decoder_start_token_id=config.decoder_start_token_id,

@@ -3,7 +3,8 @@
 Differences inside the family are config switches: Qwen2 has q/k/v biases and per-layer sliding
 windows (`use_sliding_window`, `max_window_layers`), Mistral one window for every layer, Llama 3
 "llama3" rope scaling. The module tree mirrors Hugging Face's names except that q/k/v and
-gate/up run as one stacked matmul each (`qkv_proj`, `gate_up_proj`).
+gate/up run as one stacked matmul each (`qkv_proj`, `gate_up_proj`). Families built on it
+(qwen3.py, gpt_oss.py) name their own attention or MLP class and attention sinks.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import nn
 from pagedattn.layer import Attention
 from pagedattn.models.layers import (RMSNorm, RotaryEmbedding, STACKED_PARAMS, StackedLinear, apply_rope_,
                                      float_logits, head_size_of, layer_sliding_windows, load_weights,
-                                     rope_inv_freq, silu_and_mul)
+                                     rope_attention_factor, rope_inv_freq, silu_and_mul)
 
 
 class LlamaAttention(nn.Module):
@@ -30,6 +31,7 @@ class LlamaAttention(nn.Module):
         o_bias: bool,
         attention_backend: str,
         kv_cache_dtype: str,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -41,6 +43,8 @@ class LlamaAttention(nn.Module):
             config.hidden_size, (self.q_size, self.kv_size, self.kv_size), bias=qkv_bias
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        # gpt-oss: a learned sink logit per query head [Hq], which the attention reads at each call
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if sinks else None
         self.attn = Attention(
             self.num_heads,
             self.head_size,
@@ -50,6 +54,7 @@ class LlamaAttention(nn.Module):
             layer_idx=layer_idx,
             sliding_window=sliding_window,
             kv_cache_dtype=kv_cache_dtype,
+            sinks=self.sinks,
         )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -74,10 +79,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, sliding_window: int | None, **attn_kwargs) -> None:
+    def __init__(self, config, layer_idx: int, sliding_window: int | None, *,
+                 attention_cls: type[LlamaAttention] = LlamaAttention, mlp_cls: type[nn.Module] | None = None,
+                 **attn_kwargs) -> None:
+        """mlp_cls: a family's own MLP, built from the config (None: Llama's)."""
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, sliding_window, **attn_kwargs)
-        self.mlp = LlamaMLP(
+        self.self_attn = attention_cls(config, layer_idx, sliding_window, **attn_kwargs)
+        self.mlp = mlp_cls(config) if mlp_cls is not None else LlamaMLP(
             config.hidden_size, config.intermediate_size, bias=getattr(config, "mlp_bias", False)
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -100,7 +108,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(
-            rope_inv_freq(config, head_size_of(config)), config.max_position_embeddings
+            rope_inv_freq(config, head_size_of(config)), config.max_position_embeddings, rope_attention_factor(config)
         )
         windows = layer_sliding_windows(config)
         self.layers = nn.ModuleList(
@@ -126,6 +134,9 @@ class LlamaForCausalLM(nn.Module):
     """
 
     qkv_bias_default = False
+    attention_cls = LlamaAttention  # a family's attention with the same weights and more (Qwen3's q/k norms)
+    mlp_cls: type[nn.Module] | None = None  # a family's MLP, built from the config (gpt-oss's experts)
+    attention_sinks = False  # gpt-oss
 
     def __init__(self, config, *, attention_backend: str = "auto", kv_cache_dtype: str = "auto") -> None:
         super().__init__()
@@ -137,6 +148,9 @@ class LlamaForCausalLM(nn.Module):
             o_bias=attention_bias,
             attention_backend=attention_backend,
             kv_cache_dtype=kv_cache_dtype,
+            attention_cls=self.attention_cls,
+            mlp_cls=self.mlp_cls,
+            sinks=self.attention_sinks,
         )
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:

@@ -122,9 +122,7 @@ class ModelSpec:
     dtype: torch.dtype
     eos_token_ids: frozenset[int]
     sliding_windows: tuple[int | None, ...]
-    """Each layer's sliding window (None: full attention)."""
-    builder_sliding_window: int | None
-    """The window when every layer has the same one, else None: only then may a metadata builder trim block tables."""
+    """Each layer's sliding window (None: full attention): the engine's KV cache groups follow them."""
     has_chat_template: bool
     num_cross_layers: int = 0
     """Cross-attention layers of an encoder-decoder model (0: decoder-only). `num_layers` counts
@@ -192,6 +190,9 @@ def load_model(
             raise FileNotFoundError(f"expected a Hugging Face config.json in {str(path)!r}")
         config = AutoConfig.from_pretrained(path)
         architecture = _hf_architecture(config)
+        language_config = getattr(get_model_cls(architecture), "language_config", None)
+        if language_config is not None:  # a multimodal checkpoint whose language model we run
+            config = language_config(config)
         files = _safetensors_files(path)
         weights = _safetensors_weights(files)
         extra_eos = _generation_eos(path)
@@ -372,7 +373,6 @@ def model_spec(architecture: str, config, tokenizer, dtype: torch.dtype, extra_e
     spec_fields = getattr(get_model_cls(architecture), "spec_fields", None)
     if spec_fields is not None:
         return ModelSpec(**common, **spec_fields(config))
-    windows = layer_sliding_windows(config)
     num_heads = config.num_attention_heads
     return ModelSpec(
         **common,
@@ -382,8 +382,7 @@ def model_spec(architecture: str, config, tokenizer, dtype: torch.dtype, extra_e
         head_size=head_size_of(config),
         hidden_size=config.hidden_size,
         max_model_len=config.max_position_embeddings,
-        sliding_windows=windows,
-        builder_sliding_window=windows[0] if len(set(windows)) == 1 else None,
+        sliding_windows=layer_sliding_windows(config),
     )
 
 

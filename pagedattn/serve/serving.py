@@ -20,7 +20,6 @@ from fastapi.responses import StreamingResponse
 from pagedattn.engine.grammar import GrammarError
 from pagedattn.engine.outputs import RequestOutput
 from pagedattn.engine.sampling_params import GuidedDecodingParams, SamplingParams
-from pagedattn.intmath import cdiv
 from pagedattn.serve import MAX_WAITING
 from pagedattn.serve.async_engine import AsyncEngine, EngineDeadError, EngineRequest
 from pagedattn.serve.guided import guided_decoding
@@ -55,8 +54,7 @@ class Serving:
         self.max_model_len = engine.engine.max_model_len
         self.vocab_size = engine.engine.spec.vocab_size
         self.grammars = engine.engine.grammars  # thread-safe, apart from the engine's state
-        self._block_size = engine.engine.block_manager.block_size
-        self._num_blocks = engine.engine.block_manager.num_blocks
+        self._blocks = engine.engine.block_manager  # read-only here: the pool's size and a request's least blocks
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ requests
@@ -110,10 +108,10 @@ class Serving:
         elif max_tokens > room:
             raise APIError(400, f"expected prompt + max_tokens <= the context of {self.max_model_len} tokens, "
                            f"got {prompt_len} + {max_tokens}", param="max_tokens", code="context_length_exceeded")
-        blocks = cdiv(prompt_len + max_tokens, self._block_size)
-        if blocks > self._num_blocks:
-            raise APIError(400, f"expected a request that fits the KV cache of {self._num_blocks} blocks of "
-                           f"{self._block_size} tokens, got {prompt_len} + {max_tokens} tokens ({blocks} blocks)",
+        blocks = self._blocks.min_blocks(prompt_len + max_tokens)  # every KV cache group's
+        if blocks > self._blocks.num_blocks:
+            raise APIError(400, f"expected a request that fits the KV cache of {self._blocks.num_blocks} blocks of "
+                           f"{self._blocks.block_size} tokens, got {prompt_len} + {max_tokens} tokens ({blocks} blocks)",
                            param="max_tokens")
         return max_tokens
 

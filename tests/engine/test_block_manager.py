@@ -20,11 +20,13 @@ from pagedattn.intmath import cdiv
 
 
 class Driver:
-    def __init__(self, num_blocks=24, block_size=4, prefix=True, window=None, cpu_blocks=16, seed=0):
-        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix, sliding_window=window,
+    """windows: each KV cache group's sliding window (None: full attention)."""
+
+    def __init__(self, num_blocks=24, block_size=4, prefix=True, windows=(None,), cpu_blocks=16, seed=0):
+        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix, group_windows=windows,
                                num_cpu_blocks=cpu_blocks)
         self.bs = block_size
-        self.window = window
+        self.windows = windows
         self.gpu = [[None] * block_size for _ in range(num_blocks)]
         self.cpu = [[None] * block_size for _ in range(cpu_blocks)]
         self.seqs: list[Sequence] = []
@@ -37,11 +39,12 @@ class Driver:
         for s in self.seqs:
             if s.status is not SeqStatus.RUNNING:
                 continue
-            first = 0 if self.window is None else max(0, s.num_computed_tokens - self.window + 1)
-            for p in range(first, s.num_computed_tokens):
-                block = s.block_table[p // self.bs]
-                assert block != SLIDING_FREED, (s, p)
-                assert self.gpu[block][p % self.bs] == s.token_ids[p], (s, p)
+            for table, window in zip(s.block_tables, self.windows):
+                first = 0 if window is None else max(0, s.num_computed_tokens - window + 1)
+                for p in range(first, s.num_computed_tokens):
+                    block = table[p // self.bs]
+                    assert block != SLIDING_FREED, (s, p)
+                    assert self.gpu[block][p % self.bs] == s.token_ids[p], (s, p)
 
     def compute(self, seq, upto):
         """A step computing `seq` up to `upto` tokens, if the pool allows; True when it ran."""
@@ -49,8 +52,9 @@ class Driver:
             return False
         for src, dst in self.bm.ensure_slots(seq, upto):
             self.gpu[dst] = list(self.gpu[src])
-        for p in range(seq.num_computed_tokens, upto):
-            self.gpu[seq.block_table[p // self.bs]][p % self.bs] = seq.token_ids[p]
+        for table in seq.block_tables:
+            for p in range(seq.num_computed_tokens, upto):
+                self.gpu[table[p // self.bs]][p % self.bs] = seq.token_ids[p]
         self.bm.mark_computed(seq, upto)
         return True
 
@@ -128,8 +132,12 @@ CONFIGS = {
     "prefix_cache": dict(),
     "no_prefix_cache": dict(prefix=False),
     "block_size_1": dict(block_size=1, num_blocks=40),
-    "sliding_window": dict(window=5),
+    "sliding_window": dict(windows=(5,)),
     "tiny_pool": dict(num_blocks=6, cpu_blocks=4),
+    # KV cache groups: a full group beside windowed ones, sharing the pool
+    "hybrid": dict(windows=(None, 5), num_blocks=40),
+    "hybrid_windows": dict(windows=(None, 3, 9), num_blocks=48, block_size=2),
+    "windows_only": dict(windows=(3, 6), num_blocks=30),
 }
 
 
@@ -146,9 +154,11 @@ def test_random_operations(config):
 
 @settings(max_examples=60, deadline=None)
 @given(ops=st.lists(st.sampled_from(Driver.OPS), max_size=120), seed=st.integers(0, 2**16),
-       prefix=st.booleans(), block_size=st.sampled_from([1, 2, 4]))
-def test_random_operations_hypothesis(ops, seed, prefix, block_size):
-    Driver(num_blocks=12, block_size=block_size, prefix=prefix, cpu_blocks=6, seed=seed).run(ops)
+       prefix=st.booleans(), block_size=st.sampled_from([1, 2, 4]),
+       windows=st.sampled_from([(None,), (5,), (None, 3), (None, 2, 7)]))
+def test_random_operations_hypothesis(ops, seed, prefix, block_size, windows):
+    Driver(num_blocks=12 * len(windows), block_size=block_size, prefix=prefix, windows=windows, cpu_blocks=6,
+           seed=seed).run(ops)
 
 
 def test_prefix_hit_reuses_blocks_and_leaves_the_last_token():
@@ -188,7 +198,7 @@ def test_copy_on_write_after_fork():
 
 
 def test_sliding_window_frees_blocks():
-    bm = BlockManager(10, 4, sliding_window=4)
+    bm = BlockManager(10, 4, group_windows=(4,))
     seq = Sequence(0, list(range(20)), 4)
     bm.allocate_prefix(seq)
     bm.ensure_slots(seq, 20)
@@ -197,3 +207,59 @@ def test_sliding_window_frees_blocks():
     assert seq.block_table[:4] == [SLIDING_FREED] * 4
     assert bm.num_free_blocks == 10 - cdiv(20, 4) + 4
     bm.check_integrity([seq])
+
+
+def test_window_group_frees_its_blocks_and_the_full_group_keeps_its_own():
+    bm = BlockManager(20, 4, group_windows=(None, 4))
+    seq = Sequence(0, list(range(20)), 4)
+    bm.allocate_prefix(seq)
+    bm.ensure_slots(seq, 20)
+    bm.mark_computed(seq, 20)
+    full, windowed = seq.block_tables
+    assert SLIDING_FREED not in full and len(full) == 5
+    assert windowed[:4] == [SLIDING_FREED] * 4 and windowed[4] != SLIDING_FREED
+    assert not set(full) & set(windowed)
+    assert bm.num_free_blocks == 20 - 5 - 1
+    bm.check_integrity([seq])
+
+
+def _computed(bm: BlockManager, tokens: list[int]) -> tuple[Sequence, list[list[int]]]:
+    """A sequence of `tokens` computed whole, and its tables before the window freed any block."""
+    seq = Sequence(0, tokens, bm.block_size)
+    bm.allocate_prefix(seq)
+    bm.ensure_slots(seq, len(tokens))
+    tables = [list(t) for t in seq.block_tables]
+    bm.mark_computed(seq, len(tokens))
+    return seq, tables
+
+
+def test_hybrid_prefix_hit_takes_the_windowed_group_only_within_its_window():
+    """A later prompt takes the full group's whole prefix and, of the windowed group's blocks,
+    those the window of the prefix's end reaches; the windowed group's older blocks stay cached."""
+    bm = BlockManager(40, 4, group_windows=(None, 5))
+    a, (full, windowed) = _computed(bm, list(range(24)))
+    b = Sequence(1, list(range(22)) + [99, 98], 4)
+    hits = bm.prefix_hits(b)
+    assert len(hits) == 5  # blocks 0..4 (20 tokens): the next step starts at position 20
+    assert [row[0] for row in hits] == full[:5]
+    # the window of position 20 reaches back to 16: block 4 only
+    assert [row[1] for row in hits] == [SLIDING_FREED] * 4 + [windowed[4]]
+    bm.free(a)
+    assert bm.allocate_prefix(b) == 20
+    bm.check_integrity([b])
+
+
+def test_hybrid_prefix_hit_stops_where_the_windowed_group_lost_its_blocks():
+    bm = BlockManager(40, 4, group_windows=(None, 5))
+    a, (full, windowed) = _computed(bm, list(range(24)))
+    bm.free(a)
+    # Take the windowed group's block 5 from the cache: a prefix of 6 blocks (its next step at 24
+    # sees from position 20, block 5) cannot be taken; one of 5 blocks (from 16: block 4) can.
+    bm.evictable.pop(windowed[5])
+    bm._unregister(windowed[5])
+    bm.free_plain.append(windowed[5])
+    bm.check_integrity([])
+    b = Sequence(1, list(range(24)) + [7], 4)
+    hits = bm.prefix_hits(b)
+    assert [row[0] for row in hits] == full[:5]
+    assert [row[1] for row in hits] == [SLIDING_FREED] * 4 + [windowed[4]]

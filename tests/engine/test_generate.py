@@ -161,8 +161,8 @@ def test_sliding_window_frees_blocks_and_matches_transformers(tmp_path, device, 
     _save(ref, tmp_path)
     ref.generation_config.eos_token_id = None
     loaded = load_model(str(tmp_path), dtype=torch.float32, device=device, attention_backend=backend_name)
-    assert loaded.spec.builder_sliding_window == 8
     engine = make_engine(loaded, block_size=4, num_kv_blocks=12, max_num_batched_tokens=16, max_num_seqs=2)
+    assert engine.runner.kv_groups.windows == (8,)  # one group: every layer frees by the window
     prompts = random_prompts((30, 41), seed=11)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     outputs = engine.generate(prompts, [params] * 2)

@@ -15,6 +15,8 @@ import pytest
 import torch
 from tiny_models import TINY_CONFIG, VOCAB, byte_tokenizer
 
+from pagedattn.engine.kv_cache_groups import KVCacheGroups
+
 TINY = TINY_CONFIG
 
 # name -> (transformers config class name, config overrides)
@@ -34,7 +36,34 @@ FAMILIES = {
     # GGUF stores no query_pre_attn_scalar: llama.cpp uses head_dim (see the loader).
     "gemma2_gguf": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
                                          attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    # head_dim 32: the head size is the config's, not hidden / heads
+    "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=False)),
+    # two local layers per global one; the global RoPE has its own base and a linear scaling
+    "gemma3": ("Gemma3TextConfig", dict(
+        num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                         "full_attention": dict(rope_type="linear", rope_theta=1000000.0, factor=4.0)},
+    )),
+    # YaRN over an original context of 32 positions, so prompts of 40 reach its scaled part
+    "gpt_oss": ("GptOssConfig", dict(
+        head_dim=16, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                             truncate=False, original_max_position_embeddings=32),
+    )),
 }
+
+
+SINKS = {"gpt_oss"}
+"""Families whose attention has sinks: only backends with `Capabilities.sinks` run them."""
+
+
+def skip_unless_runs(family: str, backend_name: str) -> None:
+    """Skip a test of `family` on a backend that refuses its attention options at construction."""
+    import pagedattn
+
+    if family in SINKS and not pagedattn.get_backend(backend_name).capabilities.sinks:
+        pytest.skip(f"backend {backend_name!r} has no attention sinks, which {family} needs")
 
 
 @torch.no_grad()
@@ -64,12 +93,12 @@ def tiny_checkpoint(tmp_path_factory):
     def make(name: str) -> TinyCheckpoint:
         if name not in built:
             cls_name, overrides = FAMILIES[name]
-            config = getattr(transformers, cls_name)(**TINY, **overrides)
+            config = getattr(transformers, cls_name)(**(TINY | overrides))
             torch.manual_seed(0)
             model = transformers.AutoModelForCausalLM.from_config(
                 config, attn_implementation="eager", dtype=torch.float32
             )
-            _randomise(model, norm_base=0.0 if name.startswith("gemma2") else 1.0)
+            _randomise(model, norm_base=0.0 if name.startswith("gemma") else 1.0)
             folder = tmp_path_factory.mktemp(name)
             model.save_pretrained(folder, safe_serialization=True)
             byte_tokenizer().save_pretrained(folder)
@@ -93,8 +122,10 @@ class PagedRunner:
     def __post_init__(self):
         self.model = self.loaded.model  # tests may swap in a compiled module
         spec = self.loaded.spec
+        # One builder for every layer: it trims the tables only where every layer has one window.
+        groups = KVCacheGroups.of(spec.sliding_windows).groups
         self.builder = self.backend.get_builder_cls()(
-            self.block_size, self.device, sliding_window=spec.builder_sliding_window
+            self.block_size, self.device, sliding_window=groups[0].window if len(groups) == 1 else None
         )
         shape = self.backend.get_kv_cache_shape(self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_size)
         self.kv_caches = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in range(spec.num_layers)]

@@ -82,7 +82,7 @@ def test_spec(checkpoint, device, backend_name):
     assert geometry == (2, 2, 4, 4, 16)
     assert (spec.hidden_size, spec.vocab_size, spec.max_model_len, spec.max_encoder_len) == (64, VOCAB, 64, 64)
     assert spec.decoder_start_token_id == START and spec.eos_token_ids == {257}
-    assert spec.sliding_windows == (None, None) and spec.builder_sliding_window is None
+    assert spec.sliding_windows == (None, None)
     kinds = [m.impl.attn_type for m in lm.model.modules() if isinstance(m, pagedattn.Attention)]
     AT = pagedattn.AttentionType
     assert kinds == [AT.ENCODER] * 2 + [AT.DECODER, AT.ENCODER_DECODER] * 2

@@ -46,7 +46,7 @@ def test_spec_of_the_default_model(ours):
     assert (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_size) == (30, 9, 3, 64)
     assert spec.vocab_size == 49152
     assert spec.max_model_len == 8192
-    assert spec.sliding_windows == (None,) * 30 and spec.builder_sliding_window is None
+    assert spec.sliding_windows == (None,) * 30
     assert ours.tokenizer.convert_tokens_to_ids("<|im_end|>") in spec.eos_token_ids
     assert spec.has_chat_template
 

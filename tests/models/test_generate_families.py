@@ -10,6 +10,8 @@ import torch
 
 import pagedattn
 
+from .conftest import skip_unless_runs
+
 MAX_TOKENS = 12
 
 
@@ -25,8 +27,10 @@ def _ours(llm: pagedattn.LLM, prompts: list[list[int]], max_tokens: int) -> list
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3_rope", "mistral", "qwen2", "qwen2_sliding", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "llama3_rope", "mistral", "qwen2", "qwen2_sliding", "gemma2", "qwen3",
+                                    "gemma3", "gpt_oss"])
 def test_tiny_family_greedy_equals_transformers(tiny_checkpoint, backend_name, device, family):
+    skip_unless_runs(family, backend_name)
     ckpt = tiny_checkpoint(family)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 23, 40)]

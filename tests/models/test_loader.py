@@ -42,7 +42,8 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
 
 def test_registry_is_lazy_and_complete():
     assert set(ARCHITECTURES) == {
-        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Gemma2ForCausalLM",
+        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "GptOssForCausalLM",
         "BartForConditionalGeneration", "WhisperForConditionalGeneration",
     }
     for name in ARCHITECTURES:

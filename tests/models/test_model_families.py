@@ -9,12 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedattn.engine.kv_cache_groups import KVCacheGroups
 from pagedattn.models import load_model
 
-from .conftest import VOCAB
+from .conftest import VOCAB, skip_unless_runs
 
 ATOL = 1e-4
-FAMILIES = ["llama", "llama3_rope", "mistral", "qwen2", "qwen2_sliding", "gemma2"]
+FAMILIES = ["llama", "llama3_rope", "mistral", "qwen2", "qwen2_sliding", "gemma2", "qwen3", "gemma3", "gpt_oss"]
 N = 29  # prompt length: > the sliding window of 8, 8 blocks of 4 (the last one partial)
 
 
@@ -29,6 +30,7 @@ def _reference_logits(ckpt, tokens: list[int]) -> torch.Tensor:
 
 @pytest.fixture
 def loaded(request, tiny_checkpoint, backend_name, device):
+    skip_unless_runs(request.param, backend_name)
     ckpt = tiny_checkpoint(request.param)
     return ckpt, load_model(ckpt.folder, dtype=torch.float32, device=device, attention_backend=backend_name)
 
@@ -59,7 +61,7 @@ def test_prefill_then_decode_reads_the_cache(loaded, paged_runner):
         _close(ours[0], ref[seq_len - 1])
 
 
-@pytest.mark.parametrize("loaded", ["mistral", "qwen2_sliding", "gemma2"], indirect=True)
+@pytest.mark.parametrize("loaded", ["mistral", "qwen2_sliding", "gemma2", "gemma3", "gpt_oss"], indirect=True)
 def test_chunked_prefill_matches_transformers(loaded, paged_runner):
     ckpt, lm = loaded
     runner = paged_runner(lm)
@@ -95,23 +97,26 @@ def test_mixed_batch_of_prefills_and_decodes(loaded, paged_runner):
 
 
 @pytest.mark.parametrize(
-    "loaded, windows, builder_window, tied",
+    "loaded, windows, group_windows, tied",
     [
-        ("llama", (None, None), None, False),
-        ("mistral", (8, 8), 8, False),
-        ("qwen2", (None, None), None, True),
-        ("qwen2_sliding", (None, 8), None, False),
-        ("gemma2", (8, None), None, True),
+        ("llama", (None, None), (None,), False),
+        ("mistral", (8, 8), (8,), False),
+        ("qwen2", (None, None), (None,), True),
+        ("qwen2_sliding", (None, 8), (None, 8), False),
+        ("gemma2", (8, None), (None, 8), True),
+        ("qwen3", (None, None), (None,), False),
+        ("gemma3", (8, 8, None), (None, 8, 8), True),
+        ("gpt_oss", (8, None), (None, 8), False),
     ],
     indirect=["loaded"],
 )
-def test_spec_describes_the_model(loaded, windows, builder_window, tied):
+def test_spec_describes_the_model(loaded, windows, group_windows, tied):
     _, lm = loaded
     spec = lm.spec
-    assert (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.vocab_size) == (2, 4, 2, VOCAB)
-    assert spec.head_size == (16 if spec.architecture == "Gemma2ForCausalLM" else 64 // 4)
+    assert (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.vocab_size) == (len(windows), 4, 2, VOCAB)
+    assert spec.head_size == (32 if spec.architecture == "Qwen3ForCausalLM" else 16)
     assert spec.sliding_windows == windows
-    assert spec.builder_sliding_window == builder_window
+    assert KVCacheGroups.of(spec.sliding_windows).windows == group_windows  # the engine's KV cache groups
     assert spec.eos_token_ids == {257}
     assert spec.dtype == torch.float32
     assert spec.max_model_len == 128
