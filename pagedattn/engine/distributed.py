@@ -138,12 +138,14 @@ class TensorParallel:
             self.dead = "the tensor-parallel engine was shut down"
 
     def _worker_failure(self, error: BaseException) -> str | None:
-        """The dead worker that explains `error` (a collective failed because its peer went), or
-        None. A worker's death is noticed within milliseconds of its sockets closing; a failure
-        not explained within FAILURE_WAIT_S is the error's own."""
-        if self.workers is None:
+        """The dead worker that explains `error`, or None. Collectives whose peer went raise
+        RuntimeError (gloo: its socket closed; NCCL: aborted by the watcher): a worker's death
+        is noticed within milliseconds of its sockets closing, so such an error not explained
+        within FAILURE_WAIT_S is the error's own. Rank 0's other errors are its own (a model
+        that cannot be split fails on every rank, and rank 0 says why in its own words)."""
+        if self.workers is None or not isinstance(error, RuntimeError):
             return None
-        if self.workers.failure is None and isinstance(error, Exception) and not isinstance(error, WorkerError):
+        if self.workers.failure is None and not isinstance(error, WorkerError):
             self.workers.wait_for_failure(FAILURE_WAIT_S)
         return self.workers.failure
 

@@ -3,7 +3,8 @@
 Each worker is a `spawn` process (CUDA cannot be forked) joined to rank 0 by a pipe:
 - rank 0's end of the pipe is the worker's lifeline: a thread in the worker waits on it and
   ends the process when it closes, however rank 0 went (an exception, Ctrl-C, SIGKILL);
-- a worker whose target raises sends the error's text up the pipe before it exits.
+- a worker whose target raises sends the error (its line and its traceback) up the pipe before
+  it exits; rank 0 puts the line in its error and logs the traceback (INFO).
 A thread of rank 0 waits on every worker's process sentinel and pipe at once
 (`multiprocessing.connection.wait`): the moment one exits while the pool is not being closed,
 it records `tensor-parallel worker rank R exited with code C` (and the error the worker sent),
@@ -127,7 +128,7 @@ class WorkerProcesses:
                 self._errors[rank] = pipe.recv()
         except (EOFError, OSError):
             pass
-        error = self._errors.get(rank)
+        error, trace = self._errors.get(rank, (None, None))
         message = f"tensor-parallel worker rank {rank} exited with code {proc.exitcode}"
         if error:
             message += f": {error}"
@@ -135,7 +136,8 @@ class WorkerProcesses:
             message += f" (killed by {_signal_name(-proc.exitcode)})"
         with self._lock:
             self._failure = message
-        logger.error("%s; stopping the engine", message)
+        # INFO, not ERROR: the engine raises the message; the traceback is for whoever logs INFO
+        logger.info("%s; stopping the engine%s", message, f"\nrank {rank}'s traceback:\n{trace}" if trace else "")
         if self._on_failure is not None:
             try:
                 self._on_failure()
@@ -153,9 +155,8 @@ def _worker_main(target: Callable, rank: int, pipe, args: tuple) -> None:
         target(rank, *args)
     except BaseException as e:  # noqa: BLE001 - whatever stops a worker is reported to rank 0
         summary = f"{type(e).__name__}: {e}".strip().splitlines()
-        logger.error("tensor-parallel worker rank %d failed:\n%s", rank, traceback.format_exc())
         try:
-            pipe.send(summary[0] if summary else type(e).__name__)
+            pipe.send((summary[0] if summary else type(e).__name__, traceback.format_exc()))
         except OSError:
             pass
         os._exit(1)  # no interpreter teardown: torch's may wait on collectives that will never complete
