@@ -160,6 +160,11 @@ def join(rendezvous: Rendezvous, rank: int, device: torch.device, *,
     dist = torch.distributed
     backend = "nccl" if device.type == "cuda" else "gloo"
     device_id = device if device.type == "cuda" else None
+    if backend == "nccl" and rank == 0:
+        # Rank 0 is the caller's process: on a collective's error or timeout NCCL's watchdog
+        # tears its process down by default (TORCH_NCCL_ASYNC_ERROR_HANDLING=3); 2 aborts the
+        # communicators instead, so that the engine raises (read when the group is made).
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     owns_world = not dist.is_initialized()
     if not owns_world:
         if dist.get_world_size() != rendezvous.world_size:
