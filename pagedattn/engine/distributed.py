@@ -31,7 +31,7 @@ import torch
 
 from pagedattn.attention.registry import get_backend
 from pagedattn.engine.config import EngineConfig
-from pagedattn.parallel.group import Rendezvous, TPGroup, abort_collectives, join, leave
+from pagedattn.parallel.group import COLLECTIVE_TIMEOUT, Rendezvous, TPGroup, abort_collectives, join, leave
 from pagedattn.parallel.workers import WorkerError, WorkerProcesses
 
 logger = logging.getLogger(__name__)
@@ -75,16 +75,22 @@ class TensorParallel:
         self.dead: str | None = None  # why the group stopped for good
         if rendezvous.launched:
             if rendezvous.rank != 0:  # this process is a worker: serve rank 0 until it shuts down, then leave
-                run_worker(rendezvous.rank, rendezvous, config, loader)
+                run_worker(rendezvous.rank, None, rendezvous, config, loader)
                 raise SystemExit(0)
         else:
+            # The watcher aborts the group's collectives when a worker dies; it gets the group
+            # through this list (filled once joined), not through `self`, which it must not keep alive.
+            self._joined: list[TPGroup] = []
             self.workers = WorkerProcesses(size, run_worker, (rendezvous, config, loader),
-                                           on_failure=abort_collectives)
+                                           on_failure=functools.partial(_abort, self._joined))
         self.device = config.rank_device(rendezvous.local_rank)
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-            self.tp: TPGroup = join(rendezvous, 0, self.device, alive=self.check)
+            channel = self.workers.channel if self.workers is not None else None
+            self.tp: TPGroup = join(rendezvous, 0, self.device, channel=channel, alive=self.check)
+            if self.workers is not None:
+                self._joined.append(self.tp)
         except BaseException as e:
             failure = self._worker_failure(e)
             if self.workers is not None:
@@ -127,6 +133,10 @@ class TensorParallel:
                 _stop(self.tp, self.workers, graceful=False)
             if failure is not None and not isinstance(e, WorkerError):
                 raise WorkerError(failure) from e
+            if failure is None and isinstance(e, RuntimeError) and "timed out" in str(e).lower():
+                first = str(e).strip().splitlines()[0]
+                raise WorkerError(f"a tensor-parallel collective timed out (timeout "
+                                  f"{COLLECTIVE_TIMEOUT.total_seconds():.0f} s): {first}") from e
             raise
 
     def shutdown(self) -> None:
@@ -139,15 +149,21 @@ class TensorParallel:
 
     def _worker_failure(self, error: BaseException) -> str | None:
         """The dead worker that explains `error`, or None. Collectives whose peer went raise
-        RuntimeError (gloo: its socket closed; NCCL: aborted by the watcher): a worker's death
+        RuntimeError (gloo: its socket closed; NCCL: aborted by the watcher), a pipe to it
+        OSError (BrokenPipeError): a worker's death
         is noticed within milliseconds of its sockets closing, so such an error not explained
         within FAILURE_WAIT_S is the error's own. Rank 0's other errors are its own (a model
         that cannot be split fails on every rank, and rank 0 says why in its own words)."""
-        if self.workers is None or not isinstance(error, RuntimeError):
+        if self.workers is None or not isinstance(error, (RuntimeError, OSError, EOFError)):
             return None
         if self.workers.failure is None and not isinstance(error, WorkerError):
             self.workers.wait_for_failure(FAILURE_WAIT_S)
         return self.workers.failure
+
+
+def _abort(joined: list[TPGroup]) -> None:
+    for tp in joined:
+        abort_collectives(tp)
 
 
 def _stop(tp: TPGroup, workers: WorkerProcesses | None, *, graceful: bool) -> None:
@@ -166,9 +182,10 @@ def _stop(tp: TPGroup, workers: WorkerProcesses | None, *, graceful: bool) -> No
         logger.debug("leaving the process groups failed", exc_info=True)
 
 
-def run_worker(rank: int, rendezvous: Rendezvous, config: EngineConfig, loader: Callable) -> None:
+def run_worker(rank: int, channel, rendezvous: Rendezvous, config: EngineConfig, loader: Callable) -> None:
     """Rank `rank`'s main: join the group, load the shard, build the runner as rank 0 does, and
-    run the calls rank 0 sends until it sends None."""
+    run the calls rank 0 sends until it sends None. `channel`: the worker's end of rank 0's
+    messages (None under torchrun: a gloo group's)."""
     from pagedattn.engine.model_runner import WORKER_CALLS, ModelRunner
 
     device = config.rank_device(rendezvous.local_rank if rendezvous.launched else rank)
@@ -176,7 +193,7 @@ def run_worker(rank: int, rendezvous: Rendezvous, config: EngineConfig, loader: 
         torch.cuda.set_device(device)
     elif not rendezvous.launched:  # ranks of one CPU share its cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
-    tp = join(rendezvous, rank, device)
+    tp = join(rendezvous, rank, device, channel=channel)
     backend = get_backend(config.backend_name(device))
     runner = ModelRunner(config, loader(device=device, tp=tp), backend, device, tp=tp)
     while (call := tp.receive()) is not None:

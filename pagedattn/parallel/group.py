@@ -1,17 +1,13 @@
 """The tensor-parallel group: this process's rank, the group's size, and the collectives that
 the model's layers and the engine's step hand-off use.
 
-Two process groups over the same ranks, made by `join`:
-- the device group (NCCL on CUDA, gloo on the CPU): the all-reduces of row-parallel layers,
-  the all-gather of the vocab-parallel output head, and the step's device tensors that only
-  rank 0 holds (token ids drawn on its GPU: async scheduling, multi-step decoding). Its
-  collectives are queued on the device stream, never wait for the host, and are captured in
-  the decode CUDA graphs;
-- the control group (gloo, host memory): the step's plan, pickled, broadcast by rank 0 once
-  per step (`send` / `receive`). A worker waits there between steps, for as long as rank 0 is
-  idle (a server at night): its timeout is `IDLE_TIMEOUT`, not the collectives' one. A plan
-  sent over NCCL would pass through device memory, and its copy back to a worker's host would
-  wait for that worker's previous step: its host work could no longer overlap its device's.
+- the device group (NCCL on CUDA, gloo on the CPU), torch.distributed's default group: the
+  all-reduces of row-parallel layers, the all-gather of the vocab-parallel output head, and
+  the step's device tensors that only rank 0 holds (token ids drawn on its GPU: async
+  scheduling, multi-step decoding). Its collectives are queued on the device stream, never
+  wait for the host, and are captured in the decode CUDA graphs;
+- the channel (`pagedattn.parallel.channel`): rank 0's messages, once per step, on the host
+  (`send` / `receive`).
 
 The rendezvous is torchrun's when its variables are set (`Rendezvous.from_environment`: a
 multi-node `torchrun --nnodes` launch joins the same way), else a free port on this host
@@ -33,14 +29,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedattn.parallel.channel import IDLE_TIMEOUT, GlooChannel
+
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 """The device group's timeout (torch's NCCL default), and the rendezvous': a collective that
 waits longer raises (gloo) or has NCCL's watchdog abort the process. Ranks reach their first
 collective after loading their shard, so it covers a slow disk. A worker that dies is
 noticed in seconds by its process sentinel (`pagedattn.parallel.workers`), not by this."""
-IDLE_TIMEOUT = datetime.timedelta(days=365)
-"""The control group's timeout: how long a worker may wait for rank 0's next step."""
-_LENGTH = 8  # bytes of a plan's length, sent before the plan
 # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single; 2.11 has the old name only
 _all_gather_single = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
 
@@ -98,7 +93,8 @@ class TPGroup:
     device: torch.device = torch.device("cpu")
     """Where the device group's tensors live (this rank's GPU, or the CPU)."""
     device_group: object | None = field(default=None, repr=False)
-    control_group: object | None = field(default=None, repr=False)
+    channel: object | None = field(default=None, repr=False)
+    """rank 0's messages to the others (`PipeChannel` or `GlooChannel`)."""
     owns_world: bool = field(default=False, repr=False)
     """True when `join` made torch.distributed's default group (so `leave` destroys it)."""
 
@@ -131,25 +127,18 @@ class TPGroup:
         return int(t.item())
 
     def send(self, message) -> None:
-        """Rank 0: `message` (picklable) to every other rank's `receive`, over the control group."""
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        payload = torch.frombuffer(bytearray(len(data).to_bytes(_LENGTH, "little") + data), dtype=torch.uint8)
-        header = payload[:_LENGTH].clone()
-        torch.distributed.broadcast(header, src=0, group=self.control_group)
-        torch.distributed.broadcast(payload[_LENGTH:], src=0, group=self.control_group)
+        """Rank 0: `message` (picklable) to every other rank's `receive`."""
+        self.channel.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
     def receive(self):
-        """Ranks 1..size-1: the next message rank 0 `send`s (waits up to IDLE_TIMEOUT)."""
-        header = torch.empty(_LENGTH, dtype=torch.uint8)
-        torch.distributed.broadcast(header, src=0, group=self.control_group)
-        payload = torch.empty(int.from_bytes(header.numpy().tobytes(), "little"), dtype=torch.uint8)
-        torch.distributed.broadcast(payload, src=0, group=self.control_group)
-        return pickle.loads(payload.numpy().tobytes())
+        """Ranks 1..size-1: the next message rank 0 `send`s."""
+        return pickle.loads(self.channel.receive())
 
 
-def join(rendezvous: Rendezvous, rank: int, device: torch.device, *,
+def join(rendezvous: Rendezvous, rank: int, device: torch.device, *, channel=None,
          alive: Callable[[], None] | None = None, timeout: datetime.timedelta = COLLECTIVE_TIMEOUT) -> TPGroup:
-    """Join the group as `rank` on `device` (cuda:i or the CPU): its device and control groups.
+    """Join the group as `rank` on `device` (cuda:i or the CPU). `channel`: rank 0's messages
+    (a `PipeChannel` for spawned ranks); None makes a `GlooChannel` over a new gloo group.
 
     Under torchrun the process group torchrun's environment describes is made (or, when the
     program made it already, used: its size must be the rendezvous'). Otherwise rank 0 hosts the
@@ -181,8 +170,9 @@ def join(rendezvous: Rendezvous, rank: int, device: torch.device, *,
             _wait_for_ranks(store, rendezvous.world_size, timeout, alive)
         dist.init_process_group(backend, store=store, rank=rank, world_size=rendezvous.world_size,
                                 timeout=timeout, device_id=device_id)
-    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    return TPGroup(rank, rendezvous.world_size, device, dist.group.WORLD, control, owns_world)
+    if channel is None:
+        channel = GlooChannel(dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT))
+    return TPGroup(rank, rendezvous.world_size, device, dist.group.WORLD, channel, owns_world)
 
 
 def _wait_for_ranks(store, world_size: int, timeout: datetime.timedelta, alive: Callable[[], None] | None) -> None:
@@ -198,26 +188,31 @@ def _wait_for_ranks(store, world_size: int, timeout: datetime.timedelta, alive: 
 
 def leave(group: TPGroup, *, abort: bool = False) -> None:
     """Tear the process groups down (the last use of `group`). `abort`: a rank died, so NCCL's
-    pending collectives are aborted rather than waited for."""
+    pending collectives are aborted rather than waited for (torch's experimental
+    `_abort_process_group`, which also forgets every group of this process)."""
     dist = torch.distributed
     if group.size == 1 or not dist.is_initialized():
         return
-    if abort:
-        abort_collectives()
+    if abort and group.device.type == "cuda":
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except (AttributeError, RuntimeError, ValueError):  # a torch without it, or gone already
+            pass
+        return
     if group.owns_world:
         dist.destroy_process_group()
-    else:
-        dist.destroy_process_group(group.control_group)
+    elif isinstance(group.channel, GlooChannel):
+        dist.destroy_process_group(group.channel.group)
 
 
-def abort_collectives() -> None:
-    """Abort NCCL's communicators, so that kernels waiting for a dead rank return (their results
-    are garbage) and a host waiting on them wakes: ncclCommAbort through torch's (experimental)
-    `_abort_process_group`. Nothing for gloo, whose collectives fail when a peer's socket closes."""
-    dist = torch.distributed
-    if not dist.is_initialized() or dist.get_backend() != "nccl":
+def abort_collectives(group: TPGroup) -> None:
+    """Abort the device group's NCCL communicators, from any thread: kernels waiting for a dead
+    rank return (their results are garbage) and a host waiting on them wakes. The groups stay
+    registered (the thread that uses them may be inside a collective's Python code) until
+    `leave(abort=True)`. Nothing for gloo, whose collectives fail when a peer's socket closes."""
+    if group.size == 1 or group.device.type != "cuda":
         return
     try:
-        dist.distributed_c10d._abort_process_group()
-    except (AttributeError, RuntimeError, ValueError):  # already aborted or destroyed, or a torch without it
+        group.device_group.abort()
+    except (AttributeError, RuntimeError):  # aborted already, or a torch without it
         pass

@@ -1,10 +1,12 @@
 """The processes of ranks 1..N-1 on this host: spawned by rank 0, watched, and never left behind.
 
-Each worker is a `spawn` process (CUDA cannot be forked) joined to rank 0 by a pipe:
-- rank 0's end of the pipe is the worker's lifeline: a thread in the worker waits on it and
-  ends the process when it closes, however rank 0 went (an exception, Ctrl-C, SIGKILL);
-- a worker whose target raises sends the error (its line and its traceback) up the pipe before
-  it exits; rank 0 puts the line in its error and logs the traceback (INFO).
+Each worker is a `spawn` process (CUDA cannot be forked) joined to rank 0 by two pipes:
+- the inbox: rank 0's messages (`channel`, a `PipeChannel` writing every worker's inbox; the
+  worker's target reads its own);
+- the lifeline: a thread in the worker waits on rank 0's end and ends the process when it
+  closes, however rank 0 went (an exception, Ctrl-C, SIGKILL); a worker whose target raises
+  sends the error (its line and its traceback) up it before it exits, and rank 0 puts the line
+  in its error and logs the traceback (INFO).
 A thread of rank 0 waits on every worker's process sentinel and pipe at once
 (`multiprocessing.connection.wait`): the moment one exits while the pool is not being closed,
 it records `tensor-parallel worker rank R exited with code C` (and the error the worker sent),
@@ -30,15 +32,19 @@ from multiprocessing.connection import wait
 
 import torch.multiprocessing as mp
 
+from pagedattn.parallel.channel import PipeChannel
+
 logger = logging.getLogger(__name__)
 
 
 class WorkerError(RuntimeError):
-    """A tensor-parallel worker died; the engine cannot go on. The message names the rank."""
+    """The tensor-parallel group failed, for good: a worker died (the message names its rank and
+    how it ended), or a collective timed out."""
 
 
 class WorkerProcesses:
-    """Ranks 1..world_size-1 as spawned processes running `target(rank, *args)`.
+    """Ranks 1..world_size-1 as spawned processes running `target(rank, inbox, *args)`, `inbox`
+    the worker's `PipeChannel` from rank 0's `channel`.
 
     `args` must pickle (they travel to a fresh interpreter); `target` must be importable by
     name. Scripts that make a tensor-parallel engine need the `if __name__ == "__main__":`
@@ -55,18 +61,24 @@ class WorkerProcesses:
         self._errors: dict[int, str] = {}
         self._procs: dict[int, object] = {}
         self._pipes: dict[int, object] = {}
+        writers = []
         try:
             for rank in range(1, world_size):
                 ours, theirs = ctx.Pipe(duplex=True)
-                proc = ctx.Process(target=_worker_main, args=(target, rank, theirs, args),
+                inbox, writer = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_worker_main, args=(target, rank, theirs, inbox, args),
                                    name=f"pagedattn-tp-rank{rank}", daemon=False)
                 proc.start()
-                theirs.close()  # only the worker holds its end: its closing is the worker's exit
+                theirs.close()  # only the worker holds its ends: their closing is the worker's exit
+                inbox.close()
                 self._procs[rank], self._pipes[rank] = proc, ours
+                writers.append(writer)
         except BaseException:
-            _reap(list(self._procs.values()), list(self._pipes.values()), 0.0)
+            _reap(list(self._procs.values()), [*self._pipes.values(), *writers], 0.0)
             raise
-        self._finalizer = weakref.finalize(self, _reap, list(self._procs.values()), list(self._pipes.values()), 0.0)
+        self.channel = PipeChannel(writers=writers)
+        pipes = [*self._pipes.values(), *writers]
+        self._finalizer = weakref.finalize(self, _reap, list(self._procs.values()), pipes, 0.0)
         self._watcher = threading.Thread(target=self._watch, name="pagedattn-tp-watch", daemon=True)
         self._watcher.start()
 
@@ -95,7 +107,7 @@ class WorkerProcesses:
         """Reap every worker: `grace_s` seconds to exit (they were told to), then SIGKILL."""
         self._closing = True
         self._finalizer.detach()
-        _reap(list(self._procs.values()), list(self._pipes.values()), grace_s)
+        _reap(list(self._procs.values()), [*self._pipes.values(), *self.channel.writers], grace_s)
         self._watcher.join(1.0)
 
     def _watch(self) -> None:
@@ -146,13 +158,13 @@ class WorkerProcesses:
         _reap([p for r, p in self._procs.items() if r != rank], [], 0.0)
 
 
-def _worker_main(target: Callable, rank: int, pipe, args: tuple) -> None:
-    """A worker process: run `target(rank, *args)`; report an exception up `pipe`; exit when rank
-    0's end of `pipe` closes."""
+def _worker_main(target: Callable, rank: int, pipe, inbox, args: tuple) -> None:
+    """A worker process: run `target(rank, PipeChannel(reader=inbox), *args)`; report an exception
+    up `pipe`; exit when rank 0's end of `pipe` closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(pipe,), name="pagedattn-tp-lifeline", daemon=True).start()
     try:
-        target(rank, *args)
+        target(rank, PipeChannel(reader=inbox), *args)
     except BaseException as e:  # noqa: BLE001 - whatever stops a worker is reported to rank 0
         summary = f"{type(e).__name__}: {e}".strip().splitlines()
         try:

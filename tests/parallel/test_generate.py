@@ -3,7 +3,7 @@ tokens it gives at 1 rank and that transformers gives, with its KV heads replica
 head), one a rank (2) and two a rank (4), through async scheduling (the input tokens broadcast
 on the device), chunked prefill and prefix caching, multi-step decoding (each step's draws
 broadcast), forks (copy-on-write block copies), preemption, and prompt log-probabilities (the
-output head on every rank). Each engine's workers are gone once it is collected."""
+output head on every rank). Each engine's worker is gone once it is collected, or shut down."""
 
 from __future__ import annotations
 
@@ -63,7 +63,13 @@ def test_two_ranks_equal_one_and_transformers(tiny_kv, num_kv_heads):
         ref = tiny.reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                       max_new_tokens=MAX_TOKENS, pad_token_id=0, eos_token_id=None)
         assert tokens == ref[0, len(prompt):].tolist()
-    del engine
+    if num_kv_heads == 4:  # shut down: the worker is gone when it returns, and the engine takes no step after
+        engine.shutdown()
+        assert not alive(pids[1])
+        with pytest.raises(RuntimeError, match="shut down"):
+            engine.step()
+        return
+    del engine  # collected: the worker goes too
     gc.collect()
     deadline = time.monotonic() + 15
     while alive(pids[1]) and time.monotonic() < deadline:
