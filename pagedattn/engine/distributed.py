@@ -46,10 +46,16 @@ _active: weakref.WeakSet = weakref.WeakSet()  # the running TensorParallel of th
 
 def model_loader(config: EngineConfig, backend_name: str) -> Callable:
     """`loader(device=..., tp=...) -> LoadedModel` for `config.model`: what each rank calls
-    to load its shard (a picklable callable: it travels to spawned workers)."""
-    from pagedattn.models.loader import load_model
+    to load its shard (a picklable callable: it travels to spawned workers). With tensor
+    parallelism the model and tokenizer are found here first (a Hub id downloaded once, not by
+    every rank at once; a missing path refused before any worker starts)."""
+    from pagedattn.models.loader import load_model, resolve_model_path
 
-    return functools.partial(load_model, config.model, tokenizer=config.tokenizer, dtype=config.dtype,
+    model, tokenizer = config.model, config.tokenizer
+    if config.tensor_parallel_size > 1:
+        model = str(resolve_model_path(model))
+        tokenizer = None if tokenizer is None else str(resolve_model_path(tokenizer))
+    return functools.partial(load_model, model, tokenizer=tokenizer, dtype=config.dtype,
                              attention_backend=backend_name, kv_cache_dtype=config.kv_cache_dtype,
                              max_model_len=config.max_model_len)
 

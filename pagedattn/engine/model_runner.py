@@ -33,7 +33,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import statistics
 import time
 from collections.abc import Callable
 
@@ -55,7 +54,7 @@ from pagedattn.engine.warmup import warmup_steps
 from pagedattn.intmath import cdiv
 from pagedattn.layer import attention_impls, forward_context, kv_scale_calibration_paused
 from pagedattn.models.layers import pack_linears_for_cpu
-from pagedattn.parallel.group import TPGroup
+from pagedattn.parallel.group import TPGroup, time_all_reduce
 from pagedattn.parallel.layers import SINGLE, local_heads
 
 logger = logging.getLogger(__name__)
@@ -519,35 +518,11 @@ class ModelRunner:
     @torch.inference_mode()
     def time_all_reduce(self, num_tokens: int, reps: int = 20) -> float | None:
         """Seconds of one all-reduce of [num_tokens, hidden] activations in the model dtype over
-        the tensor-parallel group (a row-parallel layer's; a decode step runs two a layer): on
-        CUDA, a graph of 2 x layers of them replayed `reps` times, the median replay divided
-        by its count (as they run inside the decode graphs); on the CPU, the median of `reps`.
-        None without tensor parallelism."""
+        the tensor-parallel group, as a row-parallel layer runs it (`time_all_reduce`: in a CUDA
+        graph of 2 x layers of them, as a decode step runs them); None without tensor parallelism."""
         if self.tp.size == 1:
             return None
         if self._send is not None:
             self._send("time_all_reduce", num_tokens, reps)
         x = torch.zeros(num_tokens, self.spec.hidden_size, dtype=self.spec.dtype, device=self.device)
-        count = 2 * self.spec.num_layers
-        self.tp.all_reduce(x)
-        if self.device.type != "cuda":
-            times = []
-            for _ in range(reps):
-                start = time.perf_counter()
-                self.tp.all_reduce(x)
-                times.append(time.perf_counter() - start)
-            return statistics.median(times)
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(count):
-                self.tp.all_reduce(x)
-        events = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            events.append((start, end))
-        torch.cuda.synchronize(self.device)
-        return statistics.median(s.elapsed_time(e) for s, e in events) / 1e3 / count
+        return time_all_reduce(self.tp, x, count=2 * self.spec.num_layers, reps=reps)

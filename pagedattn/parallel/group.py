@@ -23,6 +23,7 @@ import datetime
 import os
 import pickle
 import socket
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -216,3 +217,31 @@ def abort_collectives(group: TPGroup) -> None:
         group.device_group.abort()
     except (AttributeError, RuntimeError):  # aborted already, or a torch without it
         pass
+
+
+def time_all_reduce(group: TPGroup, x: torch.Tensor, *, count: int, reps: int) -> float:
+    """Seconds of one all-reduce of `x` over `group` (every rank calls it with the same shape):
+    on CUDA, a graph of `count` of them replayed `reps` times, the median replay divided by
+    `count` (launch gaps excluded, as inside a decode graph); on the CPU, the median of `reps`."""
+    group.all_reduce(x)  # the communicator exists before the capture
+    if x.device.type != "cuda":
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            group.all_reduce(x)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+    torch.cuda.synchronize(x.device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(count):
+            group.all_reduce(x)
+    events = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize(x.device)
+    return statistics.median(s.elapsed_time(e) for s, e in events) / 1e3 / count
