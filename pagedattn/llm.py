@@ -49,6 +49,12 @@ class LLM:
     max_model_len: caps the context (prompt + completion) below the model's own; a smaller
         context needs a smaller KV pool.
     seed: seeds the sampling of requests that have no seed of their own.
+    tensor_parallel_size: shard the model over this many processes (one a GPU: rank r on
+        cuda:r; or on the CPU over gloo), started here and ended by `shutdown()` (or when the LLM
+        is collected, or at exit); under torchrun the ranks it started join instead. Llama,
+        Mistral, Qwen2 and Gemma 2 families. A worker that dies makes `generate` raise a
+        RuntimeError naming its rank. Scripts need the `if __name__ == "__main__":` guard
+        (workers are spawned: they import the main module).
     Invalid values raise ValueError saying what was expected; a missing `[hf]` extra raises
     `MissingExtraError` (an ImportError) naming the `pip install` to run.
     """
@@ -75,6 +81,7 @@ class LLM:
         num_kv_blocks: int | None = None,
         max_model_len: int | None = None,
         seed: int = 0,
+        tensor_parallel_size: int = 1,
     ):
         self.config = EngineConfig(
             model=model,
@@ -96,8 +103,13 @@ class LLM:
             num_kv_blocks=num_kv_blocks,
             max_model_len=max_model_len,
             seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.engine = LLMEngine(self.config)
+
+    def shutdown(self) -> None:
+        """End the tensor-parallel workers (nothing without them); no `generate` after it."""
+        self.engine.shutdown()
 
     @property
     def tokenizer(self):

@@ -1,9 +1,11 @@
 """Engine throughput and latency at real model shapes: our engine against transformers'
 continuous batching (`generate_batch`) on the same weights.
 
-Models: SmolLM2-135M, Llama-3-8B and Qwen2-7B shapes with seeded random weights made on the
-device (`pagedattn.models.dummy`; nothing is downloaded), bf16 on CUDA (CUDA graphs on), float32
-on the CPU. Prompts are random token ids; decoding is greedy with EOS ignored.
+Models: SmolLM2-135M, Llama-3-8B, Llama-3-70B and Qwen2-7B shapes with seeded random weights
+made on the device (`pagedattn.models.dummy`; nothing is downloaded; `--num-layers` keeps a
+shape's first layers, the report says so), bf16 on CUDA (CUDA graphs on), float32 on the CPU.
+Prompts are random token ids; decoding is greedy with EOS ignored. `--tensor-parallel-size N`
+shards the model over N GPUs (transformers, one GPU's, is then not run).
 
 Per shape, in one process:
 1. offline: for each workload (`128/128`, `1024/128`, `128/1024` input/output tokens, and
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import statistics
 import sys
@@ -55,8 +58,14 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-shape", default=None,
-                   help="comma list of shapes (smollm2-135m, llama3-8b, qwen2-7b, tiny-llama) or 'all' "
-                        "(default: all three real shapes on CUDA, smollm2-135m on the CPU)")
+                   help="comma list of shapes (smollm2-135m, llama3-8b, llama3-70b, qwen2-7b, tiny-llama) or 'all' "
+                        "(default: llama3-8b, qwen2-7b and smollm2-135m on CUDA, smollm2-135m on the CPU)")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="keep each shape's first N layers (a model that would not fit; reported as such)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over this many GPUs (rank r on cuda:r); transformers is then not run")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of each GPU's memory for weights, activations and KV cache (default 0.9)")
     p.add_argument("--backend", default="auto", help="attention backend of our engine (default: auto)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
@@ -129,9 +138,19 @@ def _settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict
     online = args.online_requests or ((48 if args.quick else 200) if cuda else (8 if args.quick else 16))
     if rate <= 0 or online < 1:
         parser.error(f"expected --request-rate > 0 and --online-requests >= 1, got {rate}, {online}")
+    try:
+        EngineConfig(device=args.device, tensor_parallel_size=args.tensor_parallel_size,
+                     gpu_memory_utilization=args.gpu_memory_utilization)
+    except ValueError as e:
+        parser.error(str(e).replace("tensor_parallel_size", "--tensor-parallel-size")
+                     .replace("gpu_memory_utilization", "--gpu-memory-utilization"))
+    if args.num_layers is not None and args.num_layers < 1:
+        parser.error(f"expected --num-layers >= 1, got {args.num_layers}")
     return dict(device=device, shapes=shapes, plan=plan, dtype=dtype,
                 backend=backend, reps=args.reps, max_model_len=args.max_model_len, seed=args.seed,
-                transformers=not args.no_transformers, online=not args.no_online, request_rate=rate,
+                transformers=not args.no_transformers and args.tensor_parallel_size == 1,
+                tensor_parallel_size=args.tensor_parallel_size, num_layers=args.num_layers,
+                gpu_memory_utilization=args.gpu_memory_utilization, online=not args.no_online, request_rate=rate,
                 online_requests=online,
                 online_max_tokens=(128 if args.quick else 512) if cuda else (32 if args.quick else 128),
                 decode_steps=(64 if args.quick else 128) if cuda else (8 if args.quick else 32),
@@ -187,25 +206,39 @@ def _bench_shape(shape: str, s: dict, bandwidth: float, rows: list[dict], bar) -
     from pagedattn.benchmarks.transformers_runner import TransformersRunner
     from pagedattn.engine.config import EngineConfig
     from pagedattn.engine.llm_engine import LLMEngine
-    from pagedattn.models.dummy import load_dummy_model, transformers_model
+    from pagedattn.models.dummy import SHAPES, load_dummy_model, transformers_model
 
-    device, backend = s["device"], s["backend"]
+    device, backend, size = s["device"], s["backend"], s["tensor_parallel_size"]
     bar.set_description(f"{shape}: building")
-    loaded = load_dummy_model(shape, device=device, dtype=s["dtype"], attention_backend=backend,
-                              max_model_len=min(s["max_model_len"], _context(shape)), seed=s["seed"])
-    spec = loaded.spec
-    info = {"backend": backend, "dtype": str(s["dtype"]).removeprefix("torch."), "max_model_len": spec.max_model_len,
-            "parameters": sum(p.numel() for p in loaded.model.parameters()),
-            "weight_bytes_read": offline.weight_bytes_read(loaded.model), "skipped": []}
+    make = functools.partial(load_dummy_model, shape, dtype=s["dtype"], attention_backend=backend,
+                             max_model_len=min(s["max_model_len"], _context(shape)), seed=s["seed"],
+                             num_layers=s["num_layers"])
+    config = EngineConfig(device=str(device), backend=backend, max_num_seqs=s["max_num_seqs"], seed=s["seed"],
+                          tensor_parallel_size=size, gpu_memory_utilization=s["gpu_memory_utilization"])
+    info = {"backend": backend, "dtype": str(s["dtype"]).removeprefix("torch."), "tensor_parallel_size": size,
+            "num_layers": s["num_layers"] or SHAPES[shape]["num_hidden_layers"],
+            "all_layers": s["num_layers"] in (None, SHAPES[shape]["num_hidden_layers"]), "skipped": []}
     peer = None
-    if s["transformers"]:
-        peer = transformers_model(loaded)  # before the engine: on the CPU it repacks our linears
-        why = TransformersRunner.unavailable_reason(peer)
-        if why:
-            info["skipped"].append(f"transformers: {why}")
-            peer = None
-    engine = LLMEngine(EngineConfig(device=str(device), backend=backend, max_num_seqs=s["max_num_seqs"],
-                                    seed=s["seed"]), loaded)
+    if size == 1:
+        loaded = make(device=device)
+        # what one rank reads: counted before the engine, which repacks CPU linears
+        info.update(parameters=sum(p.numel() for p in loaded.model.parameters()),
+                    weight_bytes_read=offline.weight_bytes_read(loaded.model))
+        if s["transformers"]:
+            peer = transformers_model(loaded)  # before the engine: on the CPU it repacks our linears
+            why = TransformersRunner.unavailable_reason(peer)
+            if why:
+                info["skipped"].append(f"transformers: {why}")
+                peer = None
+        engine = LLMEngine(config, loaded)
+    else:
+        loaded = None
+        engine = LLMEngine(config, make)  # every rank makes its shard of the same weights
+        info.update(parameters_per_rank=sum(p.numel() for p in engine.runner.model.parameters()),
+                    weight_bytes_read=offline.weight_bytes_read(engine.runner.model))
+        info["skipped"].append(f"transformers: runs on one GPU, not compared at --tensor-parallel-size {size}")
+    spec = engine.spec
+    info["max_model_len"] = spec.max_model_len
     info["num_kv_blocks"] = engine.block_manager.num_blocks
     ours = {}
     for workload, batch in s["plan"]:
@@ -220,6 +253,10 @@ def _bench_shape(shape: str, s: dict, bandwidth: float, rows: list[dict], bar) -
     step = dict(batch=DECODE_BATCH, prompt_len=DECODE_PROMPT, steps=s["decode_steps"], seed=s["seed"],
                 weight_bytes=info["weight_bytes_read"], bandwidth=bandwidth)
     info["decode_step"] = offline.decode_step(engine, **step)
+    all_reduce = engine.runner.time_all_reduce(DECODE_BATCH)
+    if all_reduce is not None:
+        info["decode_step"].update(all_reduce_s=all_reduce, all_reduces_per_step=2 * spec.num_layers,
+                                   all_reduce_step_s=2 * spec.num_layers * all_reduce)
     if engine.async_scheduling:  # the same steps, each read before the next is queued: what async hides
         engine.async_scheduling = False
         info["decode_step_sync"] = offline.decode_step(engine, **step)
@@ -237,6 +274,7 @@ def _bench_shape(shape: str, s: dict, bandwidth: float, rows: list[dict], bar) -
             requests = offline.make_requests(lengths, vocab_size=spec.vocab_size, seed=s["seed"], rep=-3)
             info["online"] = online.run_online(engine, shape, requests, rate=s["request_rate"], seed=s["seed"])
     bar.update()
+    engine.shutdown()
     del engine
     _free(device)
     if peer is not None:

@@ -154,19 +154,25 @@ def measure(run_once: Callable[[int], Run], reps: int, max_cell_s: float, tick: 
 
 def weight_bytes_read(model: torch.nn.Module) -> int:
     """Bytes of weights one decode step reads: every parameter once, except an embedding table
-    that is not also the output head (a step gathers only its batch's rows of it)."""
+    that is not also the output head (a step gathers only its batch's rows of it), and the
+    CPU-packed linears' weights (oneDNN tensors outside the parameters). With tensor
+    parallelism `model` is one rank's shard: what that rank reads."""
     names: dict[int, list[str]] = {}
     sizes: dict[int, int] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(p.data_ptr(), []).append(name)
         sizes[p.data_ptr()] = p.numel() * p.element_size()
-    return sum(size for ptr, size in sizes.items()
-               if not (len(names[ptr]) == 1 and "embed_tokens" in names[ptr][0]))
+    packed = sum(m.weight.shape.numel() * m.weight.dtype.itemsize for m in model.modules()
+                 if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.is_mkldnn)
+    return packed + sum(size for ptr, size in sizes.items()
+                        if not (len(names[ptr]) == 1 and "embed_tokens" in names[ptr][0]))
 
 
-def kv_bytes_per_token(spec, cache_dtype: torch.dtype) -> int:
-    """K and V of one token in every layer's cache."""
-    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_size * cache_dtype.itemsize
+def kv_bytes_per_token(spec, cache_dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
+    """K and V of one token in every layer's cache (of `num_kv_heads` heads: one rank's; None:
+    the model's)."""
+    heads = spec.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return 2 * spec.num_layers * heads * spec.head_size * cache_dtype.itemsize
 
 
 def decode_step(engine, *, batch: int, prompt_len: int, steps: int, seed: int, weight_bytes: int,
@@ -174,11 +180,12 @@ def decode_step(engine, *, batch: int, prompt_len: int, steps: int, seed: int, w
     """Time every `engine.step()` of `batch` requests (prompt `prompt_len`, `steps` + 1 output
     tokens); a step counts as a pure decode step of the whole batch when, before it, every
     request has its first token, all are running and none has finished. Its floor: the weights plus the K/V of
-    every context token (at the median step) read once at `bandwidth` bytes/s. `graph_replay_s`: the
+    every context token (at the median step) read once at `bandwidth` bytes/s; with tensor parallelism, one
+    rank's (`weight_bytes` of its shard, its KV heads), since the ranks read theirs at once. `graph_replay_s`: the
     model's and output head's device time alone (its CUDA graph replayed mid-run; None without graphs), so the
     step's remainder is sampling and host work not hidden behind the device."""
     spec = engine.spec
-    per_token = kv_bytes_per_token(spec, engine.runner.cache_dtype)
+    per_token = kv_bytes_per_token(spec, engine.runner.cache_dtype, engine.runner.num_kv_heads)  # one rank's
     lengths = [(prompt_len, steps + 1)] * batch
     requests = make_requests(lengths, vocab_size=spec.vocab_size, seed=seed, rep=-2)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)

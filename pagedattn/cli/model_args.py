@@ -54,6 +54,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, max_num_seqs: int | 
         help="fraction of the GPU's memory for the model, activations and KV cache (default: 0.9; CUDA only)",
     )
     group.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs (CUDA only)")
+    group.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1,
+        help="shard the model over this many GPUs (processes: rank r on cuda:r; under torchrun, its ranks)",
+    )
     if max_num_seqs is not None:
         group.add_argument("--max-num-seqs", type=int, default=max_num_seqs, help="sequences one engine step holds")
 
@@ -142,7 +146,8 @@ def engine_config(args: argparse.Namespace):
             model=args.model, tokenizer=args.tokenizer, backend=args.backend, device=args.device, dtype=args.dtype,
             kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
             num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
-            max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager, **knobs,
+            max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
+            tensor_parallel_size=args.tensor_parallel_size, **knobs,
         )
     except ValueError as e:
         message = _flag_names(str(e))
@@ -179,7 +184,7 @@ def load_llm(config):
             dtype=config.dtype, kv_cache_dtype=config.kv_cache_dtype, max_model_len=config.max_model_len,
             num_kv_blocks=config.num_kv_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, enforce_eager=config.enforce_eager,
-            gpu_memory_utilization=config.gpu_memory_utilization,
+            gpu_memory_utilization=config.gpu_memory_utilization, tensor_parallel_size=config.tensor_parallel_size,
         )
 
 
@@ -222,5 +227,6 @@ def _flag_names(message: str) -> str:
 
 _FLAG_NAME = re.compile(
     r"(?<![.\w-])(max_model_len|num_kv_blocks|block_size|kv_cache_dtype|max_tokens|temperature|top_p|top_k"
-    r"|seed|stop|dtype|device|backend|max_num_batched_tokens|gpu_memory_utilization|max_num_seqs)(?![\w])"
+    r"|seed|stop|dtype|device|backend|max_num_batched_tokens|gpu_memory_utilization|max_num_seqs"
+    r"|tensor_parallel_size)(?![\w])"
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,8 @@ class EngineConfig:
     host's work of a step (scheduling, inputs, reading and applying the draws) overlaps the
     device's (None: on CUDA with `num_scheduler_steps=1`; the CPU computes as it queues, so
     there it only adds a wasted row when a sequence stops).
+    `tensor_parallel_size` shards the model over that many processes, one a GPU (rank r on
+    cuda:r, or torchrun's LOCAL_RANK), or on the CPU over gloo (`pagedattn.engine.distributed`).
     `preemption_mode` and `cpu_kv_cache_gib` are engine-level extras not exposed by `LLM`:
     "auto" swaps groups of several sequences (n > 1, beam search) when the CPU pool has room
     and recomputes single sequences, like vLLM; "recompute"/"swap" force one mode.
@@ -57,6 +60,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     max_model_len: int | None = None
     seed: int = 0
+    tensor_parallel_size: int = 1
     preemption_mode: str = "auto"
     cpu_kv_cache_gib: float = CPU_KV_CACHE_GIB
 
@@ -65,6 +69,7 @@ class EngineConfig:
         _int_at_least("max_num_seqs", self.max_num_seqs, 1)
         _int_at_least("num_scheduler_steps", self.num_scheduler_steps, 1)
         _int_at_least("seed", self.seed, None)
+        _int_at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.max_num_batched_tokens is not None:
             _int_at_least("max_num_batched_tokens", self.max_num_batched_tokens, self.max_num_seqs)
         if self.num_kv_blocks is not None:
@@ -88,6 +93,8 @@ class EngineConfig:
             raise ValueError(f"expected device 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.device != "auto":
             _check_device(self.device)
+        if self.tensor_parallel_size > 1:
+            _check_parallel_device(self.device, self.tensor_parallel_size)
         if not isinstance(self.dtype, torch.dtype) and self.dtype not in DTYPE_NAMES:
             raise ValueError(f"expected dtype in {list(DTYPE_NAMES)} or a torch.dtype, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
@@ -108,6 +115,17 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def rank_device(self, local_rank: int) -> torch.device:
+        """The device of the tensor-parallel rank with this index on its host: cuda:local_rank,
+        or the CPU."""
+        if self.resolved_device().type == "cuda":
+            return torch.device("cuda", local_rank)
+        return torch.device("cpu")
+
+    def backend_name(self, device: torch.device) -> str:
+        """The attention backend to ask the registry for: "auto" is "torch" on the CPU."""
+        return "torch" if self.backend == "auto" and device.type == "cpu" else self.backend
 
     def resolved_async_scheduling(self, device: torch.device) -> bool:
         if self.async_scheduling is None:
@@ -145,6 +163,19 @@ def _check_device(device: str | torch.device) -> None:
         raise ValueError(f"expected device 'cpu' or 'auto' (no CUDA device is available here), got {device!r}")
     if dev.index is not None and dev.index >= count:
         raise ValueError(f"expected a CUDA device index < {count}, got {device!r}")
+
+
+def _check_parallel_device(device: str | torch.device, size: int) -> None:
+    """Refuse a device that tensor parallelism cannot use: a GPU index (rank r takes cuda:r) or
+    fewer GPUs than ranks (unless torchrun started the ranks, maybe on several hosts)."""
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                       ("cpu" if device == "auto" else device))
+    if dev.type == "cuda" and dev.index is not None:
+        raise ValueError(f"expected device 'auto', 'cuda' or 'cpu' with tensor_parallel_size={size} (rank r runs on "
+                         f"cuda:r), got {device!r}")
+    if dev.type == "cuda" and "WORLD_SIZE" not in os.environ and torch.cuda.device_count() < size:
+        raise ValueError(f"expected at least tensor_parallel_size={size} CUDA devices, got "
+                         f"{torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES names the usable ones)")
 
 
 def _is_number(x) -> bool:

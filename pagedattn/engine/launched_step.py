@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -39,13 +41,14 @@ class LaunchedStep:
     inputs of a step launched before this one is read; row_of: id(sequence) -> its row in
     `tokens`, for the chunks that draw one token. On CUDA the draws (and log-probabilities asked
     for) go to pinned host memory right behind the sampler, so `results()` waits for this step
-    only, not for steps queued after it.
+    only, not for steps queued after it. `alive()` (tensor parallelism) raises when a worker
+    has died: the wait polls it, since the step would never complete.
     """
 
     def __init__(self, *, results: list[StepResult] | None = None, draws: list[Draws] | None = None,
                  batch: SamplingBatch | None = None, bounds: list[int] | None = None,
                  beam_logprobs: dict[int, torch.Tensor] | None = None, row_of: dict[int, int] | None = None,
-                 prompt: PromptPlan | None = None):
+                 prompt: PromptPlan | None = None, alive: Callable[[], None] | None = None):
         self._results = results
         self._draws = draws or []
         self._logprob_rows = batch.logprob_rows if batch is not None else ()
@@ -61,7 +64,7 @@ class LaunchedStep:
             tensors += [t for d in self._draws if d.top is not None for t in d.top.tensors()]
         if prompt is not None:
             tensors += prompt.top.tensors()
-        self._host = _HostCopy(tensors)
+        self._host = _HostCopy(tensors, alive)
 
     def results(self) -> list[StepResult]:
         """One `StepResult` per model step (`out.num_steps` of them; none when no chunk ran)."""
@@ -94,10 +97,13 @@ class LaunchedStep:
 
 class _HostCopy:
     """Device tensors copied to host memory behind the work queued so far: into pinned buffers
-    on CUDA, with an event, so `get()` waits for these copies only."""
+    on CUDA, with an event, so `get()` waits for these copies only. With `alive`, the wait
+    polls the event and calls `alive()` in between (releasing the GIL, so the thread that
+    watches the workers runs): a step waiting for a dead rank would never complete."""
 
-    def __init__(self, tensors: list[torch.Tensor]):
+    def __init__(self, tensors: list[torch.Tensor], alive: Callable[[], None] | None = None):
         self._event = None
+        self._alive = alive
         self._host = tensors
         if tensors and tensors[0].is_cuda:
             self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
@@ -108,6 +114,13 @@ class _HostCopy:
 
     def get(self) -> list[torch.Tensor]:
         if self._event is not None:
-            self._event.synchronize()
+            if self._alive is None:
+                self._event.synchronize()
+            else:
+                while not self._event.query():
+                    self._alive()
+                    time.sleep(0)
             self._event = None
+        if self._alive is not None:
+            self._alive()  # a collective aborted for a dead rank completes with garbage
         return self._host

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 from collections.abc import Callable
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from pagedattn.attention.registry import get_backend
 from pagedattn.engine.block_manager import BlockManager
 from pagedattn.engine.config import EngineConfig
+from pagedattn.engine.distributed import TensorParallel, model_loader
 from pagedattn.engine.grammar import Grammars
 from pagedattn.engine.input_processor import InputProcessor
 from pagedattn.engine.model_runner import LaunchedStep, ModelRunner
@@ -42,31 +44,38 @@ class LLMEngine:
     """Owns the model runner, the scheduler and its block manager, and the processors of
     requests (in) and step results (out).
 
-    `loaded`: a `pagedattn.models.LoadedModel` to use instead of loading `config.model`.
+    `loaded`: a `pagedattn.models.LoadedModel` to use instead of loading `config.model`, or a
+    loader `loaded(device=..., tp=...) -> LoadedModel` (picklable: with
+    `config.tensor_parallel_size > 1` every rank calls it for its shard, e.g.
+    `functools.partial(load_dummy_model, "llama3-8b", dtype=torch.bfloat16)`).
     `check_integrity`: assert the block manager's invariants after every step (tests).
+    With tensor parallelism the engine holds worker processes: `shutdown()` ends them (so does
+    the engine's collection, or the interpreter's exit).
     """
 
     def __init__(self, config: EngineConfig, loaded=None, *, check_integrity: bool = False):
         self.config = config
+        self.parallel: TensorParallel | None = None
         device = config.resolved_device()
-        backend_name = "torch" if config.backend == "auto" and device.type == "cpu" else config.backend
-        backend = get_backend(backend_name)
+        backend = get_backend(config.backend_name(device))
+        loader = loaded if callable(loaded) else None
         if loaded is None:
-            from pagedattn.models.loader import load_model
-
-            loaded = load_model(
-                config.model,
-                tokenizer=config.tokenizer,
-                dtype=config.dtype,
-                device=device,
-                attention_backend=backend.get_name(),
-                kv_cache_dtype=config.kv_cache_dtype,
-                max_model_len=config.max_model_len,
-            )
+            loader = model_loader(config, backend.get_name())
+        if config.tensor_parallel_size > 1:
+            if loader is None:
+                raise ValueError(f"expected a loader (loaded(device=, tp=) -> LoadedModel) with tensor_parallel_size="
+                                 f"{config.tensor_parallel_size}, got a LoadedModel: it lives in this process only")
+            self.parallel = TensorParallel(config, loader)
+            device = self.parallel.device
+        with self.parallel.guard() if self.parallel is not None else contextlib.nullcontext():
+            if loader is not None:
+                loaded = loader(device=device, tp=self.parallel.tp) if self.parallel else loader(device=device)
+            parallel = {} if self.parallel is None else dict(tp=self.parallel.tp, send=self.parallel.send,
+                                                            alive=self.parallel.check)
+            self.runner = ModelRunner(config, loaded, backend, device, **parallel)
         self.tokenizer = loaded.tokenizer
         self.spec = loaded.spec
         self.max_model_len = self.spec.max_model_len
-        self.runner = ModelRunner(config, loaded, backend, device)
         self.device = device
         self.block_manager = BlockManager(
             self.runner.num_blocks,
@@ -168,7 +177,26 @@ class LLMEngine:
 
         With async scheduling, the step after it is planned and queued on the device before its
         draws are read (when it does not depend on them, `Scheduler.schedule_next_decodes`): the
-        device runs that one while the host processes this one, and the next call starts from it."""
+        device runs that one while the host processes this one, and the next call starts from it.
+        With tensor parallelism a dead worker raises `WorkerError` (a RuntimeError naming its
+        rank), and so does every later step."""
+        if self.parallel is None:
+            return self._step()
+        with self.parallel.guard():
+            return self._step()
+
+    @property
+    def worker_pids(self) -> dict[int, int]:
+        """Tensor-parallel rank -> process id of the workers this engine started (empty without)."""
+        return self.parallel.worker_pids if self.parallel is not None else {}
+
+    def shutdown(self) -> None:
+        """End the tensor-parallel workers and leave the process groups (nothing without tensor
+        parallelism); the engine takes no step after it. Idempotent."""
+        if self.parallel is not None:
+            self.parallel.shutdown()
+
+    def _step(self) -> list[RequestOutput]:
         finished, self._rejected = self._rejected, []
         if self._in_flight is None:
             out = self.scheduler.schedule()

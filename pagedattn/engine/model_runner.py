@@ -12,9 +12,17 @@ hidden states go through the output head too, only for those requests. A step la
 `after` another reads its input tokens from that one's draws on the device (async
 scheduling); the sampler then counts each row's last token (penalties, min_tokens) from there.
 
+Tensor parallelism (`tp` of several ranks): every rank runs a `ModelRunner` over its shard of
+the model and its own KV pool (its KV heads), built the same way in the same order (profile,
+warm-up, graph capture: their collectives pair up), with the pool's block count the smallest
+any rank can hold. Rank 0 `launch`es steps: it sends each step's `StepPlan` to the others once
+(`send`), then runs its share and samples; the others `execute` the same plan. Calls that run
+the model on every rank (`execute`, `time_decode_graph`, `time_all_reduce`) are `WORKER_CALLS`.
+
 Models that mix windowed and full layers keep their layers in KV cache groups
 (`engine/kv_cache_groups.py`): layers of different groups share cache tensors, each group has
-its own block tables, and a step's metadata is built per group (`engine/step_metadata.py`).
+its own block tables, and a step's metadata is built per group (`engine/step_metadata.py`);
+a `StepPlan` carries every group's tables.
 
 Encoder-decoder models (`spec.num_cross_layers > 0`) have a cross pool too: one cache tensor
 per cross-attention layer, with as many blocks as the decoder pool (a request's encoder
@@ -31,6 +39,7 @@ import itertools
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -41,15 +50,18 @@ from pagedattn.engine.config import EngineConfig
 from pagedattn.engine.decode_graphs import DecodeGraphs
 from pagedattn.engine.kv_cache_groups import KVCacheGroups
 from pagedattn.engine.launched_step import LaunchedStep
-from pagedattn.engine.logprobs import PromptPlan, TopLogprobs, num_logprobs
+from pagedattn.engine.logprobs import PromptPlan, TopLogprobs
 from pagedattn.engine.sampler import Sampler, SamplingBatch
 from pagedattn.engine.sampling_params import SamplingParams
 from pagedattn.engine.scheduler import ScheduledChunk, SchedulerOutput
 from pagedattn.engine.step_metadata import GroupedMetadataBuilder, StepMetadata
+from pagedattn.engine.step_plan import StepPlan
 from pagedattn.engine.warmup import warmup_steps
 from pagedattn.intmath import cdiv
 from pagedattn.layer import kv_scale_calibration_paused
 from pagedattn.models.layers import pack_linears_for_cpu
+from pagedattn.parallel.group import TPGroup, time_all_reduce
+from pagedattn.parallel.layers import SINGLE, local_heads
 
 logger = logging.getLogger(__name__)
 
@@ -60,14 +72,28 @@ _MAX_SWAP_POOL_RATIO = 4  # the CPU swap pool never exceeds this many times the 
 # graph adds its own executable state: kept free beside the KV pool with this much room.
 _GRAPH_POOL_MARGIN = 1.1
 _GRAPH_BYTES_EACH = 2 << 20
+WORKER_CALLS = frozenset({"execute", "time_decode_graph", "time_all_reduce"})
+"""The methods rank 0 calls on every rank (through `send`): each runs collectives."""
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, loaded, backend: type[AttentionBackend], device: torch.device):
+    """`tp`: this rank's tensor-parallel group (`loaded` is its shard). `send(method, *args)`:
+    on rank 0 of several, hands a call of `WORKER_CALLS` to the other ranks (they run it on
+    their runner); `alive()` raises when one of them has died (checked before each step and
+    while waiting for one)."""
+
+    def __init__(self, config: EngineConfig, loaded, backend: type[AttentionBackend], device: torch.device, *,
+                 tp: TPGroup = SINGLE, send: Callable[..., None] | None = None,
+                 alive: Callable[[], None] | None = None):
         self.model = loaded.model
         if device.type == "cpu":
             pack_linears_for_cpu(self.model)
+        self.tp = tp
+        self._send = send
+        self._alive = alive
         self.spec = loaded.spec
+        # this rank's KV heads (the pool holds those); the spec's are the whole model's
+        self.num_kv_heads = local_heads(self.spec.num_kv_heads, tp.size, "num_key_value_heads", replicate=True)
         # Layers in KV cache groups (one unless windowed and full layers mix): the pool's cache
         # tensors are the groups' shared ones, then the cross layers'.
         self.kv_groups = KVCacheGroups.of(self.spec.sliding_windows)
@@ -91,16 +117,15 @@ class ModelRunner:
         self._graph_reserve = 0  # bytes kept free for the decode graphs (`_decode_graph_bytes`) when profiled
 
         self.num_blocks = self._num_kv_blocks(config)
-        shape = backend.get_kv_cache_shape(self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_size)
+        shape = backend.get_kv_cache_shape(self.num_blocks, self.block_size, self.num_kv_heads, self.spec.head_size)
         self.cache_tensors = [torch.zeros(shape, dtype=self.cache_dtype, device=device) for _ in range(self.num_caches)]
         # Each layer's cache in `layer_idx` order: decoder layers' (a tensor per group position), then cross layers'.
         groups_end = self.kv_groups.num_tensors
         self.kv_caches = self.kv_groups.layer_caches(self.cache_tensors[:groups_end]) + self.cache_tensors[groups_end:]
         self.num_cross_blocks = self.num_blocks if self.spec.num_cross_layers else 0
         self.num_cpu_blocks = self._num_cpu_blocks(config)
-        cpu_shape = backend.get_kv_cache_shape(
-            self.num_cpu_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_size
-        )
+        cpu_shape = backend.get_kv_cache_shape(self.num_cpu_blocks, self.block_size, self.num_kv_heads,
+                                               self.spec.head_size)
         pin = device.type == "cuda"
         # Untouched CPU pages cost nothing until a swap writes them.
         self.cpu_caches = (
@@ -110,8 +135,8 @@ class ModelRunner:
         )
         self.num_cpu_cross_blocks = self.num_cpu_blocks if self.spec.num_cross_layers else 0
         logger.info(
-            "KV cache: %d blocks of %d tokens on %s (%s), %d CPU swap blocks%s",
-            self.num_blocks, self.block_size, device, self.cache_dtype, self.num_cpu_blocks,
+            "KV cache: %d blocks of %d tokens on %s (%s, %d KV heads), %d CPU swap blocks%s",
+            self.num_blocks, self.block_size, device, self.cache_dtype, self.num_kv_heads, self.num_cpu_blocks,
             " (decoder and cross pools each)" if self.spec.num_cross_layers else "",
         )
         if device.type == "cuda" and not self.spec.num_cross_layers:
@@ -123,14 +148,16 @@ class ModelRunner:
     # ------------------------------------------------------------------ sizing
 
     def _block_bytes(self) -> int:
-        per_block = math.prod(
-            self.backend.get_kv_cache_shape(1, self.block_size, self.spec.num_kv_heads, self.spec.head_size)
-        )
+        shape = self.backend.get_kv_cache_shape(1, self.block_size, self.num_kv_heads, self.spec.head_size)
+        per_block = math.prod(shape)
         return per_block * self.cache_dtype.itemsize * self.num_caches
 
     def _num_kv_blocks(self, config: EngineConfig) -> int:
         """The pool's blocks: `num_kv_blocks` as given (tests shrink it on purpose), else sized
-        from memory and refused, as vLLM does, when one request of the whole context cannot fit."""
+        from memory (with tensor parallelism, the fewest any rank can hold: the block manager's
+        ids name a block in every rank's pool) and refused, as vLLM does, when one request of
+        the whole context cannot fit. Ranks return from here together: a rank that failed to
+        load its shard fails every rank's start-up."""
         per_request = self.kv_groups.blocks_per_request(self.max_blocks_per_seq * self.block_size, self.block_size,
                                                         self.max_num_batched_tokens)
         if config.num_kv_blocks is not None:
@@ -139,7 +166,8 @@ class ModelRunner:
                     "num_kv_blocks=%d holds fewer tokens (%d) than one request of max_model_len=%d",
                     config.num_kv_blocks, config.num_kv_blocks * self.block_size, self.spec.max_model_len,
                 )
-            return config.num_kv_blocks
+            # every rank's, so the same; the collective makes start-up wait for every rank's model
+            return self.tp.min(config.num_kv_blocks)
         if self.device.type == "cuda":
             free = self._profile_free_bytes(config.gpu_memory_utilization)
             num = int(free // self._block_bytes())
@@ -151,11 +179,14 @@ class ModelRunner:
             num = min(num, self.max_num_seqs * per_request)
             budget = f"the CPU budget of {config.cpu_kv_cache_gib} GiB"
             raise_hint = f"set num_kv_blocks (--num-kv-blocks) to at least {per_request}"
+        num = self.tp.min(max(num, 0))
+        if self.tp.size > 1:
+            budget += f" on rank {self.tp.rank} (the pool has the fewest blocks any of {self.tp.size} ranks holds)"
         if num < per_request:
             raise ValueError(
                 f"expected the KV pool to hold one request of max_model_len={self.spec.max_model_len} tokens "
-                f"({per_request} blocks of {self.block_size}), got {max(num, 0)} blocks "
-                f"({max(num, 0) * self.block_size} tokens, {self._block_bytes()} bytes a block) in {budget}; "
+                f"({per_request} blocks of {self.block_size}), got {num} blocks "
+                f"({num * self.block_size} tokens, {self._block_bytes()} bytes a block) in {budget}; "
                 f"{raise_hint}, or lower max_model_len (--max-model-len)"
             )
         return num
@@ -275,27 +306,56 @@ class ModelRunner:
         `after`: the launched step that `out` continues (`Scheduler.schedule_next_decodes`):
         each chunk's input token is that step's draw for its sequence, read on the device,
         not yet known on the host."""
-        self._move_blocks(out)
+        if self._alive is not None:
+            self._alive()
+        plan = StepPlan.of(out, carried_rows=after.row_of if after is not None else None,
+                           vocab_size=self.spec.vocab_size)
+        every_row_sampled = all(c.sample for c in out.chunks)
+        if out.chunks and out.num_steps > 1:
+            plan.pad_to = self._graph_size(len(plan.seqs))
+        elif out.is_decode_only and every_row_sampled and plan.prompt is None:
+            plan.pad_to = self._graph_size(len(plan.seqs))
+        if self._send is not None and not plan.is_empty:
+            self._send("execute", plan)  # the other ranks run the same plan on their shards
+        self._move_blocks(plan)
         if not out.chunks:
             return LaunchedStep(results=[])
         if out.num_steps > 1:
-            return self._execute_multistep(out)
-        ids, pos, sample_idx, seqs = self._prepare(out.chunks, after)
+            return self._execute_multistep(plan, out.chunks)
         encoder = self._prepare_encoder(out.chunks)
-        prompt = self._prompt_plan(out.chunks)
-        every_row_sampled = all(c.sample for c in out.chunks)
-        graphed = out.is_decode_only and every_row_sampled and prompt is None
-        pad_to = self._graph_size(len(seqs)) if graphed else None
-        md = self._build(out.chunks, pad_to)
-        if pad_to is None:
-            hidden = self._run(md, ids, pos, encoder)
-            logits = self.model.compute_logits(hidden.index_select(0, sample_idx))  # [sampled chunks, V]
-            if prompt is not None:
-                prompt.top = self._prompt_logprobs(hidden, prompt)
-        else:
-            logits = self.graphs.logits(md, ids, pos)[: len(seqs)]
+        logits, ids = self._model_step(plan, after.tokens if after is not None else None, encoder)
         # async: each chunk's input token is its sequence's last, still on the device only
-        return self._sample(out.chunks, logits, pending=ids if after is not None else None, prompt=prompt)
+        return self._sample(out.chunks, logits, pending=ids if after is not None else None, prompt=plan.prompt)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> None:
+        """A tensor-parallel worker's share of a step that rank 0 `launch`ed: the same block
+        moves, model and output head; rank 0 samples (its draws reach this rank on the device
+        when a later step or a multi-step run needs them)."""
+        self._move_blocks(plan)
+        if not plan.seqs:
+            return
+        if plan.num_steps > 1:
+            self._multistep_model(plan, draw=None)
+        else:
+            self._model_step(plan)
+
+    def _model_step(self, plan: StepPlan, carried: torch.Tensor | None = None, encoder: tuple | None = None):
+        """The model and output head on one step: (logits float32 [sampled chunks, V] or None when
+        none is sampled, input ids int64 [T]). Every rank runs it; `carried`: on rank 0, the
+        draws that `plan.ids` index (async scheduling)."""
+        ids, pos, sample_idx = self._inputs(plan, carried)
+        md = self.builder.build(plan.group_seqs(), cuda_graph_pad_to=plan.pad_to)
+        if plan.pad_to is None:
+            hidden = self._run(md, ids, pos, encoder)
+            logits = None
+            if plan.sample_idx:
+                logits = self.model.compute_logits(hidden.index_select(0, sample_idx))  # [sampled chunks, V]
+            if plan.prompt is not None:
+                plan.prompt.top = self._prompt_logprobs(hidden, plan.prompt)
+        else:
+            logits = self.graphs.logits(md, ids, pos)[: len(plan.seqs)]
+        return logits, ids
 
     def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor, pending: torch.Tensor | None = None,
                 prompt: PromptPlan | None = None) -> LaunchedStep:
@@ -323,30 +383,7 @@ class ModelRunner:
         bounds = [0, *itertools.accumulate(len(r) for r in rows)]
         row_of = {id(c.seq): bounds[i] for i, c in enumerate(chunks) if len(rows[i]) == 1}
         return LaunchedStep(draws=draws, batch=batch, bounds=bounds, beam_logprobs=beam_logprobs, row_of=row_of,
-                            prompt=prompt)
-
-    def _prompt_plan(self, chunks: list[ScheduledChunk]) -> PromptPlan | None:
-        """The step's positions that predict a prompt token whose log-probabilities are asked for
-        and not yet recorded (a recomputed prompt's were), or None. Position p predicts token
-        p + 1: those of tokens 1..P-1 of a P-token prompt."""
-        positions: list[int] = []
-        targets: list[int] = []
-        spans: dict[int, tuple[int, int, int]] = {}
-        offset = 0  # the chunk's first query token in the step
-        for i, c in enumerate(chunks):
-            start, end = c.scheduled.context_len, c.scheduled.seq_len
-            recorded = c.group.prompt_logprobs
-            if recorded is not None:
-                first, last = max(start, len(recorded) - 1), min(end, c.seq.num_prompt_tokens - 1)
-                if first < last:
-                    # such requests read no prefix cache, so their chunks leave no position out
-                    assert start <= len(recorded) - 1, (start, len(recorded), c.seq)
-                    spans[i] = (len(targets), len(targets) + last - first,
-                                num_logprobs(c.group.params.prompt_logprobs, self.spec.vocab_size))
-                    positions += range(offset + first - start, offset + last - start)
-                    targets += c.seq.token_ids[first + 1 : last + 1]
-            offset += end - start
-        return PromptPlan(positions, targets, spans) if spans else None
+                            prompt=prompt, alive=self._alive)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, plan: PromptPlan) -> TopLogprobs:
         """The plan's positions through the output head, `max_num_seqs` rows at a time (the rows
@@ -369,70 +406,77 @@ class ModelRunner:
             return flat.pin_memory().to(self.device, non_blocking=True)
         return flat.to(self.device)
 
-    def _execute_multistep(self, out: SchedulerOutput) -> LaunchedStep:
-        """`out.num_steps` decode steps of a decode-only batch, sampling on the device and
+    def _execute_multistep(self, plan: StepPlan, chunks: list[ScheduledChunk]) -> LaunchedStep:
+        """`plan.num_steps` decode steps of a decode-only batch, sampling on the device and
         advancing the metadata (and the batch's token counts) in place between them."""
-        rows = [r for c in out.chunks for r in c.sampling_rows()]
-        assert len(rows) == len(out.chunks), "multi-step batches are plain decodes: one sample per chunk"
-        batch = SamplingBatch.build(rows, self.spec.vocab_size, self.device, seqs=[c.seq for c in out.chunks],
+        rows = [r for c in chunks for r in c.sampling_rows()]
+        assert len(rows) == len(chunks), "multi-step batches are plain decodes: one sample per chunk"
+        batch = SamplingBatch.build(rows, self.spec.vocab_size, self.device, seqs=[c.seq for c in chunks],
                                     eos_token_ids=self.eos_token_ids)
-        ids, pos, _, seqs = self._prepare(out.chunks)
-        n = len(seqs)
-        pad_to = self._graph_size(n)
+        draws = []
+
+        def draw(logits: torch.Tensor) -> torch.Tensor:
+            if draws:
+                batch.advance(draws[-1].tokens)
+            draws.append(self.sampler.sample(logits, batch))
+            return draws[-1].tokens
+
+        self._multistep_model(plan, draw)
+        return LaunchedStep(draws=draws, batch=batch, bounds=list(range(len(chunks) + 1)), alive=self._alive)
+
+    def _multistep_model(self, plan: StepPlan, draw: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        """The model of a multi-step run, on every rank: `draw(logits)` (rank 0) samples each
+        step's tokens int64 [n]; the other ranks get them by broadcast, to advance the metadata."""
+        ids, pos, _ = self._inputs(plan)
+        n = len(plan.seqs)
+        pad_to = plan.pad_to
         if pad_to is not None and pad_to > n:  # advance_step reads every row of the batch
             ids = torch.cat([ids, ids.new_zeros(pad_to - n)])
             pos = torch.cat([pos, pos.new_zeros(pad_to - n)])
-        md = self._build(out.chunks, pad_to)
-        draws = []
-        for step in range(out.num_steps):
+        md = self.builder.build(plan.group_seqs(), cuda_graph_pad_to=pad_to)
+        tokens = None
+        for step in range(plan.num_steps):
             if step:
-                md.advance_step(ids, pos, draws[-1].tokens.unsqueeze(1), self.block_size, md.num_seqs, n)
-                batch.advance(draws[-1].tokens)
+                md.advance_step(ids, pos, tokens.unsqueeze(1), self.block_size, md.num_seqs, n)
             if pad_to is None:
                 logits = self.model.compute_logits(self._run(md, ids, pos)[:n])
             else:
                 logits = self.graphs.logits(md, ids, pos)[:n]
-            draws.append(self.sampler.sample(logits, batch))
-        return LaunchedStep(draws=draws, batch=batch, bounds=list(range(n + 1)))
+            tokens = draw(logits) if draw is not None else torch.empty(n, dtype=torch.int64, device=self.device)
+            if step < plan.num_steps - 1:
+                self.tp.broadcast(tokens)  # rank 0's draws to every rank: the next step's inputs
 
-    def _move_blocks(self, out: SchedulerOutput) -> None:
+    def _move_blocks(self, plan: StepPlan) -> None:
         # Order matters: swapped-out blocks may be reused by swap-ins and copies of this step.
         n = self.kv_groups.num_tensors  # the decoder pool's caches come first, then the cross pool's
         gpu_pools = ((self.cache_tensors[:n], self.cpu_caches[:n]), (self.cache_tensors[n:], self.cpu_caches[n:]))
-        for (gpus, cpus), pairs in zip(gpu_pools, (out.swap_out, out.cross_swap_out)):
+        for (gpus, cpus), pairs in zip(gpu_pools, (plan.swap_out, plan.cross_swap_out)):
             if pairs:
                 mapping = torch.tensor(pairs, dtype=torch.int64)
                 for gpu, cpu in zip(gpus, cpus):
                     self.backend.swap_blocks(gpu, cpu, mapping)
-        for (gpus, cpus), pairs in zip(gpu_pools, (out.swap_in, out.cross_swap_in)):
+        for (gpus, cpus), pairs in zip(gpu_pools, (plan.swap_in, plan.cross_swap_in)):
             if pairs:
                 mapping = torch.tensor(pairs, dtype=torch.int64)
                 for gpu, cpu in zip(gpus, cpus):
                     self.backend.swap_blocks(cpu, gpu, mapping)
-        if out.copies:  # cross blocks are never written after their prefill: no copy-on-write
-            self.backend.copy_blocks(self.cache_tensors[:n], self._device_ints(out.copies))
+        if plan.copies:  # cross blocks are never written after their prefill: no copy-on-write
+            self.backend.copy_blocks(self.cache_tensors[:n], self._device_ints(plan.copies))
 
-    def _prepare(self, chunks: list[ScheduledChunk], after: LaunchedStep | None = None):
-        """Input ids and positions int64 [T], sampled-row indices int64 [S] (one H2D copy), and
-        the step's `[ScheduledSeq]` as the scheduler made them. `after`: the ids are that
-        step's draws (one decode token per chunk)."""
-        ids: list[int] = []
-        positions: list[int] = []
-        sample_idx: list[int] = []
-        for c in chunks:
-            start, end = c.scheduled.context_len, c.scheduled.seq_len
-            if after is None:
-                ids += c.seq.token_ids[start:end]
+    def _inputs(self, plan: StepPlan, carried: torch.Tensor | None = None):
+        """Input ids and positions int64 [T], sampled-row indices int64 [S] (one H2D copy). With
+        `plan.carried` the ids are rows of the previous step's draws: rank 0 gathers them from
+        `carried` and broadcasts them to the other ranks (a device collective, no host wait)."""
+        flat = self._device_ints(plan.ids + plan.positions + plan.sample_idx)
+        k, t = len(plan.ids), len(plan.positions)
+        ids = flat[:k]
+        if plan.carried:
+            if self.tp.rank == 0:
+                ids = carried.index_select(0, ids)
             else:
-                ids.append(after.row_of[id(c.seq)])  # the row of its token in `after.tokens`
-            positions += range(start, end)
-            if c.sample:
-                sample_idx.append(len(positions) - 1)
-        seqs = [c.scheduled for c in chunks]
-        flat = self._device_ints(ids + positions + sample_idx)
-        t = len(ids)
-        ids_t = flat[:t] if after is None else after.tokens.index_select(0, flat[:t])
-        return ids_t, flat[t : 2 * t], flat[2 * t :], seqs
+                ids = torch.empty(t, dtype=torch.int64, device=self.device)
+            self.tp.broadcast(ids)
+        return ids, flat[k : k + t], flat[k + t :]
 
     def _prepare_encoder(self, chunks: list[ScheduledChunk]) -> tuple | None:
         """The encoder prompts of the step's prefills, in chunk order (as `build` lays out the
@@ -462,11 +506,6 @@ class ModelRunner:
             return self.model(ids, pos, *(encoder or (None, None)))
         return self.model(ids, pos)
 
-    def _build(self, chunks: list[ScheduledChunk], pad_to: int | None) -> StepMetadata:
-        """The step's metadata, each KV cache group's over its block tables."""
-        seqs = [[c.scheduled_in(g) for c in chunks] for g in range(len(self.kv_groups.groups))]
-        return self.builder.build(seqs, cuda_graph_pad_to=pad_to)
-
     def _run(self, md: StepMetadata, ids: torch.Tensor, pos: torch.Tensor, encoder: tuple | None = None):
         """hidden [T, H], eagerly; `encoder`: the step's encoder input and positions (`_prepare_encoder`)."""
         with md.context(self.kv_caches):
@@ -479,5 +518,22 @@ class ModelRunner:
         return self.graphs.size_for(batch_size) if self.graphs is not None else None
 
     def time_decode_graph(self, batch_size: int, reps: int = 20) -> float | None:
-        """Device seconds of one decode graph replay (`DecodeGraphs.time_replay`); None without graphs."""
-        return self.graphs.time_replay(batch_size, reps) if self.graphs is not None else None
+        """Device seconds of one decode graph replay (`DecodeGraphs.time_replay`); None without
+        graphs. With tensor parallelism every rank replays (the graphs' collectives pair up)."""
+        if self.graphs is None:
+            return None
+        if self._send is not None:
+            self._send("time_decode_graph", batch_size, reps)
+        return self.graphs.time_replay(batch_size, reps)
+
+    @torch.inference_mode()
+    def time_all_reduce(self, num_tokens: int, reps: int = 20) -> float | None:
+        """Seconds of one all-reduce of [num_tokens, hidden] activations in the model dtype over
+        the tensor-parallel group, as a row-parallel layer runs it (`time_all_reduce`: in a CUDA
+        graph of 2 x layers of them, as a decode step runs them); None without tensor parallelism."""
+        if self.tp.size == 1:
+            return None
+        if self._send is not None:
+            self._send("time_all_reduce", num_tokens, reps)
+        x = torch.zeros(num_tokens, self.spec.hidden_size, dtype=self.spec.dtype, device=self.device)
+        return time_all_reduce(self.tp, x, count=2 * self.spec.num_layers, reps=reps)

@@ -24,8 +24,9 @@ from torch import nn
 
 from pagedattn.attention.types import AttentionType
 from pagedattn.layer import Attention
-from pagedattn.models.layers import (ENCODER_DECODER_STACKED, StackedLinear, activation_of,
-                                     encoder_decoder_spec_fields, float_logits, load_weights)
+from pagedattn.models.layers import (ENCODER_DECODER_STACKED, activation_of, encoder_decoder_spec_fields,
+                                     float_logits, load_weights)
+from pagedattn.parallel.layers import ColumnParallelLinear
 
 POSITION_OFFSET = 2
 """BART's learned position tables start at index 2 (fairseq reserved 0 and 1 for padding)."""
@@ -37,7 +38,7 @@ class BartSelfAttention(nn.Module):
 
     def __init__(self, d_model: int, attn: Attention) -> None:
         super().__init__()
-        self.qkv_proj = StackedLinear(d_model, (d_model, d_model, d_model), bias=True)
+        self.qkv_proj = ColumnParallelLinear(d_model, (d_model, d_model, d_model), bias=True)
         self.out_proj = nn.Linear(d_model, d_model)
         self.attn = attn
 
@@ -53,7 +54,7 @@ class BartCrossAttention(nn.Module):
     def __init__(self, d_model: int, attn: Attention) -> None:
         super().__init__()
         self.q_proj = nn.Linear(d_model, d_model)
-        self.kv_proj = StackedLinear(d_model, (d_model, d_model), bias=True)
+        self.kv_proj = ColumnParallelLinear(d_model, (d_model, d_model), bias=True)
         self.out_proj = nn.Linear(d_model, d_model)
         self.attn = attn
 
@@ -248,4 +249,4 @@ class BartForConditionalGeneration(nn.Module):
                     f"got {tuple(tensor.shape)}"
                 )
             with torch.no_grad():
-                self.final_logits_bias.copy_(tensor)
+                self.final_logits_bias.copy_(tensor[...])

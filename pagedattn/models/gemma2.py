@@ -5,6 +5,8 @@ and after attention and MLP); embeddings scaled by sqrt(hidden) rounded to the m
 GeGLU (tanh GELU) MLP; attention scale `query_pre_attn_scalar ** -0.5` with a tanh soft cap on
 the scores; local (sliding window) and global layers alternating as `config.layer_types` lists
 them (transformers: even layers local); a tanh soft cap on the final logits; tied embeddings.
+Tensor parallelism splits the layers as Llama's (`pagedattn.models.llama`); the soft cap is
+applied to the gathered logits.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedattn.layer import Attention
-from pagedattn.models.layers import (RotaryEmbedding, STACKED_PARAMS, StackedLinear, apply_rope, float_logits,
-                                     head_size_of, layer_sliding_windows, load_weights, rope_inv_freq)
+from pagedattn.models.layers import (RotaryEmbedding, STACKED_PARAMS, apply_rope, float_logits, head_size_of,
+                                     layer_sliding_windows, load_weights, rope_inv_freq)
+from pagedattn.parallel.group import TPGroup
+from pagedattn.parallel.layers import (SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Split,
+                                       VocabParallelEmbedding)
 
 _GELU_APPROXIMATION = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
@@ -39,18 +44,16 @@ class Gemma2RMSNorm(nn.Module):
 
 class Gemma2Attention(nn.Module):
     def __init__(self, config, layer_idx: int, sliding_window: int | None, *,
-                 attention_backend: str, kv_cache_dtype: str) -> None:
+                 attention_backend: str, kv_cache_dtype: str, tp: TPGroup) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_size = head_size_of(config)
-        self.q_size = self.num_heads * self.head_size
-        self.kv_size = self.num_kv_heads * self.head_size
+        q = Split.heads(config.num_attention_heads, self.head_size, tp, "num_attention_heads")
+        kv = Split.heads(config.num_key_value_heads, self.head_size, tp, "num_key_value_heads", replicate=True)
+        self.q_size, self.kv_size = q.local, kv.local  # this rank's heads
+        self.num_heads, self.num_kv_heads = q.local // self.head_size, kv.local // self.head_size
         bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = StackedLinear(
-            config.hidden_size, (self.q_size, self.kv_size, self.kv_size), bias=bias
-        )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, (q, kv, kv), bias=bias)
+        self.o_proj = RowParallelLinear(q, config.hidden_size, bias=bias, tp=tp)
         self.attn = Attention(
             self.num_heads,
             self.head_size,
@@ -74,7 +77,7 @@ class Gemma2Attention(nn.Module):
 
 
 class Gemma2MLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: TPGroup) -> None:
         super().__init__()
         act = getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"
         if act not in _GELU_APPROXIMATION:
@@ -82,9 +85,9 @@ class Gemma2MLP(nn.Module):
                 f"expected hidden_activation in {list(_GELU_APPROXIMATION)}, got {act!r}"
             )
         self.approximate = _GELU_APPROXIMATION[act]
-        size = config.intermediate_size
-        self.gate_up_proj = StackedLinear(config.hidden_size, (size, size), bias=False)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
+        columns = Split.even(config.intermediate_size, tp, "intermediate_size")
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, (columns, columns), bias=False)
+        self.down_proj = RowParallelLinear(columns, config.hidden_size, bias=False, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -97,7 +100,7 @@ class Gemma2DecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, sliding_window: int | None, **attn_kwargs) -> None:
         super().__init__()
         self.self_attn = self.attention_cls(config, layer_idx, sliding_window, **attn_kwargs)
-        self.mlp = Gemma2MLP(config)
+        self.mlp = Gemma2MLP(config, attn_kwargs["tp"])
         eps = config.rms_norm_eps
         self.input_layernorm = Gemma2RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = Gemma2RMSNorm(config.hidden_size, eps)
@@ -112,7 +115,7 @@ class Gemma2DecoderLayer(nn.Module):
 class Gemma2Model(nn.Module):
     def __init__(self, config, **attn_kwargs) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, attn_kwargs["tp"])
         # Kept as a buffer so it follows `.to(dtype)`: the scale is rounded to the model dtype.
         self.register_buffer("embed_scale", torch.tensor(config.hidden_size**0.5), persistent=False)
         self.rotary_emb = RotaryEmbedding(
@@ -137,14 +140,16 @@ class Gemma2Model(nn.Module):
 class Gemma2ForCausalLM(nn.Module):
     """Gemma 2 over a flattened batch of tokens; run it inside `pagedattn.forward_context`."""
 
+    supports_tensor_parallel = True
     model_cls = Gemma2Model  # Gemma 3's head, logits and weights are these around its own model
 
-    def __init__(self, config, *, attention_backend: str = "auto", kv_cache_dtype: str = "auto") -> None:
+    def __init__(self, config, *, attention_backend: str = "auto", kv_cache_dtype: str = "auto",
+                 tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.config = config
-        self.model = self.model_cls(
-            config, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype
-        )
+        self.model = self.model_cls(config, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype, tp=tp)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp)
+        self.lm_head.weight = self.model.embed_tokens.weight  # tied
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -154,7 +159,7 @@ class Gemma2ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden: [N, hidden] -> soft-capped logits float32 [N, vocab] (tied embedding head; into
         `out` when given)."""
-        logits = F.linear(hidden, self.model.embed_tokens.weight)
+        logits = self.lm_head(hidden)
         cap = self.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits.float() / cap) * cap

@@ -19,6 +19,7 @@ from torch import nn
 from pagedattn.models.attention_spec import layer_attention_specs
 from pagedattn.models.gemma2 import Gemma2Attention, Gemma2DecoderLayer, Gemma2ForCausalLM, Gemma2RMSNorm
 from pagedattn.models.layers import RotaryEmbedding, apply_rope, head_size_of, rope_attention_factor, rope_inv_freq
+from pagedattn.parallel.layers import VocabParallelEmbedding
 
 # Weight-name prefixes of the image-text checkpoints: (transformers 4's, transformers 5's) text
 # model, and the parts a text-only model does not load.
@@ -49,7 +50,7 @@ class Gemma3DecoderLayer(Gemma2DecoderLayer):
 class Gemma3Model(nn.Module):
     def __init__(self, config, **attn_kwargs) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, attn_kwargs["tp"])
         # Kept as a buffer so it follows `.to(dtype)`: the scale is rounded to the model dtype.
         self.register_buffer("embed_scale", torch.tensor(config.hidden_size**0.5), persistent=False)
         specs = layer_attention_specs(config)

@@ -80,6 +80,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     mlp_cls = GptOssMLP
     attention_sinks = True
+    supports_tensor_parallel = False  # its experts and per-head sinks are not split over ranks
 
     def __init__(self, config, **kwargs) -> None:
         quant = getattr(config, "quantization_config", None) or {}

@@ -1,4 +1,4 @@
-"""Building blocks shared by the model families: RMSNorm, rotary embedding, stacked linears, weight loading.
+"""Building blocks shared by the model families: RMSNorm, rotary embedding, weight loading.
 
 Every model here runs over a flattened batch: `T` tokens of several sequences laid end to end,
 no batch dimension and no padding. Sequence boundaries live only in the attention metadata.
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedattn.layer import Attention
+from pagedattn.parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 STACKED_PARAMS = {
@@ -24,7 +25,7 @@ STACKED_PARAMS = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
-"""Checkpoint module name -> (our StackedLinear, shard index), for every family here."""
+"""Checkpoint module name -> (our ColumnParallelLinear, part index), for every family here."""
 
 ENCODER_DECODER_STACKED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
@@ -33,7 +34,7 @@ ENCODER_DECODER_STACKED = {
     "encoder_attn.k_proj": ("encoder_attn.kv_proj", 0),
     "encoder_attn.v_proj": ("encoder_attn.kv_proj", 1),
 }
-"""Checkpoint module name -> (our StackedLinear, shard index), for BART-style encoder-decoders."""
+"""Checkpoint module name -> (our ColumnParallelLinear, part index), for BART-style encoder-decoders."""
 
 ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),
@@ -245,22 +246,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate).mul_(up)  # in place: one [T, I] buffer fewer
 
 
-class StackedLinear(nn.Linear):
-    """One matmul for several checkpoint matrices with the same input (q/k/v, gate/up).
-
-    Output rows are the checkpoint matrices stacked in order; `shard(param, i)` is the view that
-    checkpoint matrix `i` (of `output_sizes[i]` rows) is loaded into.
-    """
-
-    def __init__(self, in_features: int, output_sizes: Iterable[int], bias: bool) -> None:
-        self.output_sizes = tuple(output_sizes)
-        super().__init__(in_features, sum(self.output_sizes), bias=bias)
-
-    def shard(self, param: torch.Tensor, index: int) -> torch.Tensor:
-        start = sum(self.output_sizes[:index])
-        return param.narrow(0, start, self.output_sizes[index])
-
-
 class PackedLinear(nn.Module):
     """A CPU float32 `nn.Linear` run by oneDNN, its weight prepacked once.
 
@@ -269,7 +254,8 @@ class PackedLinear(nn.Module):
     Same math in float32. The packed weight replaces the original; a weight tied to another
     parameter (an embedding) stays shared and plain: oneDNN reads it as is, a little slower, and
     a packed copy would cost vocab x hidden floats (measured: +110 MiB for SmolLM2, within noise
-    of the plain one end to end).
+    of the plain one end to end). A tensor-parallel linear's `collective` (the row-parallel
+    all-reduce, the head's all-gather) runs on the packed product as on the original's.
     """
 
     def __init__(self, linear: nn.Linear, tied: bool) -> None:
@@ -278,18 +264,24 @@ class PackedLinear(nn.Module):
         w = linear.weight.detach()
         self.weight = w if tied else torch.ops.mkldnn._reorder_linear_weight(w, None)  # opaque layout
         self.bias = linear.bias
+        self.collective = getattr(linear, "collective", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., in_features] float32 -> [..., out_features]."""
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        """x: [..., in_features] float32 -> [..., out_features] (the collective's shape, if any)."""
+        y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return y if self.collective is None else self.collective(y)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+_PACKED_TYPES = (nn.Linear, ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
+
+
 def pack_linears_for_cpu(model: nn.Module) -> int:
-    """Swap every float32 `nn.Linear` of a CPU model for a `PackedLinear`, in place; returns how
-    many were swapped (0 where oneDNN is unavailable). Call it after the weights are loaded.
+    """Swap every float32 linear of a CPU model (`nn.Linear` and the tensor-parallel ones) for a
+    `PackedLinear`, in place; returns how many were swapped (0 where oneDNN is unavailable). Call
+    it after the weights are loaded.
     """
     if not torch.backends.mkldnn.is_available():
         return 0
@@ -299,7 +291,7 @@ def pack_linears_for_cpu(model: nn.Module) -> int:
     # By name, holding no module: each original weight is freed as soon as its linear is swapped.
     names = [
         name for name, m in model.named_modules()
-        if type(m) in (nn.Linear, StackedLinear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
+        if type(m) in _PACKED_TYPES and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
     ]
     for name in names:
         parent_name, _, child_name = name.rpartition(".")
@@ -349,13 +341,17 @@ def layer_sliding_windows(config) -> tuple[int | None, ...]:
 @torch.no_grad()
 def load_weights(
     model: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, object]],
     stacked: Mapping[str, tuple[str, int]],
     ignore: Iterable[str] = (),
 ) -> None:
     """Copy checkpoint tensors (Hugging Face names) into `model`'s parameters, checking names and shapes.
 
-    stacked: checkpoint module name -> (our StackedLinear name, shard index), e.g.
+    weights: (name, tensor) pairs; a tensor is a `torch.Tensor` or a lazy one (the loader's
+        `SafetensorsTensor`: `.shape`, and indexing reads only what it selects), of which only
+        this rank's rows are read: a tensor-parallel layer says which (`checkpoint_shard`),
+        every other parameter takes the whole tensor (`tensor[...]`).
+    stacked: checkpoint module name -> (our ColumnParallelLinear name, part index), e.g.
         {"q_proj": ("qkv_proj", 0)}.
     ignore: substrings of checkpoint names to skip (buffers saved by old checkpoints, tied heads).
     FP8 KV-cache scales (`KV_SCALE_NAMES`) fix the scales of the layer's `pagedattn.Attention`.
@@ -366,7 +362,7 @@ def load_weights(
     expected = set()
     for name in params:
         module = model.get_submodule(name.rpartition(".")[0])
-        if isinstance(module, StackedLinear):
+        if isinstance(module, ColumnParallelLinear):
             expected.update((name, i) for i in range(len(module.output_sizes)))
         else:
             expected.add((name, None))
@@ -383,14 +379,17 @@ def load_weights(
                 break
         if name not in params:
             raise ValueError(f"unexpected checkpoint tensor {ckpt_name!r} for {type(model).__name__}")
-        dest = params[name].data
-        if index is not None:
-            dest = model.get_submodule(name.rpartition(".")[0]).shard(dest, index)
-        if dest.shape != tensor.shape:
-            raise ValueError(
-                f"checkpoint tensor {ckpt_name!r}: expected shape {tuple(dest.shape)}, got {tuple(tensor.shape)}"
-            )
-        dest.copy_(tensor)
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        shard = module.checkpoint_shard(leaf, index) if hasattr(module, "checkpoint_shard") else None
+        full_shape = shard.full_shape if shard is not None else tuple(params[name].shape)
+        if tuple(tensor.shape) != full_shape:
+            raise ValueError(f"checkpoint tensor {ckpt_name!r}: expected shape {full_shape}, got {tuple(tensor.shape)}")
+        if shard is None:
+            params[name].data.copy_(tensor[...])
+        elif shard.length:
+            rows = (slice(None),) * shard.dim + (slice(shard.start, shard.start + shard.length),)
+            shard.dest.copy_(tensor[rows])
         loaded.add((name, index))
     missing = sorted(f"{n}[{i}]" if i is not None else n for n, i in expected - loaded)
     if missing:
@@ -398,7 +397,7 @@ def load_weights(
         raise ValueError(f"checkpoint is missing weights for {type(model).__name__}: {shown}")
 
 
-def _load_kv_scale(model: nn.Module, ckpt_name: str, tensor: torch.Tensor) -> bool:
+def _load_kv_scale(model: nn.Module, ckpt_name: str, tensor) -> bool:
     """Set the FP8 scales `ckpt_name` names (see `KV_SCALE_NAMES`); False when it names none."""
     for suffix, which in KV_SCALE_NAMES.items():
         if not ckpt_name.endswith("." + suffix):
@@ -410,7 +409,7 @@ def _load_kv_scale(model: nn.Module, ckpt_name: str, tensor: torch.Tensor) -> bo
             attn = None
         if not isinstance(attn, Attention):
             raise ValueError(f"checkpoint tensor {ckpt_name!r}: expected a pagedattn.Attention at {path!r}, found none")
-        attn.set_kv_scales(**{f"{w}_scale": tensor for w in which})
+        attn.set_kv_scales(**{f"{w}_scale": tensor[...] for w in which})  # a safetensors slice read whole
         return True
     return False
 

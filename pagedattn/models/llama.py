@@ -5,6 +5,11 @@ windows (`use_sliding_window`, `max_window_layers`), Mistral one window for ever
 "llama3" rope scaling. The module tree mirrors Hugging Face's names except that q/k/v and
 gate/up run as one stacked matmul each (`qkv_proj`, `gate_up_proj`). Families built on it
 (qwen3.py, gpt_oss.py) name their own attention or MLP class and attention sinks.
+
+Tensor parallelism (`tp`, `pagedattn.parallel.layers`): q/k/v split by heads (KV heads
+replicated when there are more ranks than them), gate/up by intermediate columns, o_proj and
+down_proj row-parallel (one all-reduce each), the embedding and output head by vocabulary
+ranges. A rank's `Attention` sees its own head counts; the KV cache it is given holds those.
 """
 
 from __future__ import annotations
@@ -15,9 +20,12 @@ import torch
 from torch import nn
 
 from pagedattn.layer import Attention
-from pagedattn.models.layers import (RMSNorm, RotaryEmbedding, STACKED_PARAMS, StackedLinear, apply_rope_,
-                                     float_logits, head_size_of, layer_sliding_windows, load_weights,
-                                     rope_attention_factor, rope_inv_freq, silu_and_mul)
+from pagedattn.models.layers import (RMSNorm, RotaryEmbedding, STACKED_PARAMS, apply_rope_, float_logits, head_size_of,
+                                     layer_sliding_windows, load_weights, rope_attention_factor, rope_inv_freq,
+                                     silu_and_mul)
+from pagedattn.parallel.group import TPGroup
+from pagedattn.parallel.layers import (SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Split,
+                                       VocabParallelEmbedding)
 
 
 class LlamaAttention(nn.Module):
@@ -31,19 +39,19 @@ class LlamaAttention(nn.Module):
         o_bias: bool,
         attention_backend: str,
         kv_cache_dtype: str,
+        tp: TPGroup,
         sinks: bool = False,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_size = head_size_of(config)
-        self.q_size = self.num_heads * self.head_size
-        self.kv_size = self.num_kv_heads * self.head_size
-        self.qkv_proj = StackedLinear(
-            config.hidden_size, (self.q_size, self.kv_size, self.kv_size), bias=qkv_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        q = Split.heads(config.num_attention_heads, self.head_size, tp, "num_attention_heads")
+        kv = Split.heads(config.num_key_value_heads, self.head_size, tp, "num_key_value_heads", replicate=True)
+        self.q_size, self.kv_size = q.local, kv.local  # this rank's heads
+        self.num_heads, self.num_kv_heads = q.local // self.head_size, kv.local // self.head_size
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, (q, kv, kv), bias=qkv_bias)
+        self.o_proj = RowParallelLinear(q, config.hidden_size, bias=o_bias, tp=tp)
         # gpt-oss: a learned sink logit per query head [Hq], which the attention reads at each call
+        # (a model with sinks refuses tensor parallelism: `supports_tensor_parallel`)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if sinks else None
         self.attn = Attention(
             self.num_heads,
@@ -69,10 +77,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, tp: TPGroup) -> None:
         super().__init__()
-        self.gate_up_proj = StackedLinear(hidden_size, (intermediate_size, intermediate_size), bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        columns = Split.even(intermediate_size, tp, "intermediate_size")
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, (columns, columns), bias=bias)
+        self.down_proj = RowParallelLinear(columns, hidden_size, bias=bias, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -82,11 +91,11 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, sliding_window: int | None, *,
                  attention_cls: type[LlamaAttention] = LlamaAttention, mlp_cls: type[nn.Module] | None = None,
                  **attn_kwargs) -> None:
-        """mlp_cls: a family's own MLP, built from the config (None: Llama's)."""
+        """mlp_cls: a family's own MLP, built from the config (None: Llama's, split over `tp`)."""
         super().__init__()
         self.self_attn = attention_cls(config, layer_idx, sliding_window, **attn_kwargs)
         self.mlp = mlp_cls(config) if mlp_cls is not None else LlamaMLP(
-            config.hidden_size, config.intermediate_size, bias=getattr(config, "mlp_bias", False)
+            config.hidden_size, config.intermediate_size, bias=getattr(config, "mlp_bias", False), tp=attn_kwargs["tp"]
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -106,7 +115,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config, **attn_kwargs) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, attn_kwargs["tp"])
         self.rotary_emb = RotaryEmbedding(
             rope_inv_freq(config, head_size_of(config)), config.max_position_embeddings, rope_attention_factor(config)
         )
@@ -130,15 +139,18 @@ class LlamaForCausalLM(nn.Module):
     """A decoder-only Llama-family model over a flattened batch of tokens.
 
     Run it inside `pagedattn.forward_context(attn_metadata, kv_caches)`: every layer's attention
-    reads the step's metadata and `kv_caches[layer_idx]` from there.
+    reads the step's metadata and `kv_caches[layer_idx]` from there. `tp`: this rank's
+    tensor-parallel group (every rank runs the same steps; see the module docstring).
     """
 
     qkv_bias_default = False
+    supports_tensor_parallel = True
     attention_cls = LlamaAttention  # a family's attention with the same weights and more (Qwen3's q/k norms)
     mlp_cls: type[nn.Module] | None = None  # a family's MLP, built from the config (gpt-oss's experts)
     attention_sinks = False  # gpt-oss
 
-    def __init__(self, config, *, attention_backend: str = "auto", kv_cache_dtype: str = "auto") -> None:
+    def __init__(self, config, *, attention_backend: str = "auto", kv_cache_dtype: str = "auto",
+                 tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.config = config
         attention_bias = getattr(config, "attention_bias", False)
@@ -148,11 +160,12 @@ class LlamaForCausalLM(nn.Module):
             o_bias=attention_bias,
             attention_backend=attention_backend,
             kv_cache_dtype=kv_cache_dtype,
+            tp=tp,
             attention_cls=self.attention_cls,
             mlp_cls=self.mlp_cls,
             sinks=self.attention_sinks,
         )
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -161,7 +174,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden: [N, hidden] -> logits float32 [N, vocab] (into `out` when given)."""
+        """hidden: [N, hidden] -> logits float32 [N, vocab] (into `out` when given), on every rank."""
         return float_logits(self.lm_head(hidden), out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -27,6 +27,8 @@ from pagedattn.models import ARCHITECTURES, UnsupportedModelError, get_model_cls
 from pagedattn.models.cache import cache_dir, read_gguf_cached
 from pagedattn.models.default import default_model_path
 from pagedattn.models.layers import head_size_of, layer_sliding_windows
+from pagedattn.parallel.group import TPGroup
+from pagedattn.parallel.layers import SINGLE
 
 HF_EXTRA_MODULES = ("transformers", "tokenizers", "safetensors", "gguf", "jinja2")
 """The modules of the `[hf]` extra that loading a model needs."""
@@ -164,6 +166,7 @@ def load_model(
     attention_backend: str = "auto",
     kv_cache_dtype: str = "auto",
     max_model_len: int | None = None,
+    tp: TPGroup = SINGLE,
 ) -> LoadedModel:
     """Load a checkpoint onto `device` in `dtype`, its attention running on `attention_backend`.
 
@@ -175,6 +178,8 @@ def load_model(
     dtype: a torch dtype or its name; "auto" is float32 on the CPU and otherwise the config's
         half-precision dtype (bfloat16 when the config names none or float32).
     device: a torch device; "auto" is CUDA when available, else the CPU.
+    tp: this rank's tensor-parallel group: the model is this rank's shard, and a safetensors
+        folder's tensors are read only as far as that shard needs.
     Raises FileNotFoundError for a missing path, UnsupportedModelError (a ValueError) naming the
     supported architectures, ValueError for pickle-only or mismatching weights,
     MissingExtraError without the `[hf]` extra.
@@ -208,7 +213,7 @@ def load_model(
     cls = get_model_cls(architecture)
     dtype = _resolve_dtype(dtype, config, device)
     net = build_model(architecture, config, device=device, dtype=dtype, attention_backend=attention_backend,
-                      kv_cache_dtype=kv_cache_dtype)
+                      kv_cache_dtype=kv_cache_dtype, tp=tp)
     net.load_weights(weights)
     spec = capped(model_spec(architecture, config, tokenizer, dtype, extra_eos), max_model_len)
     audio_input = getattr(cls, "audio_input", None)  # audio encoders: features from the folder's preprocessor config
@@ -217,15 +222,22 @@ def load_model(
 
 
 def build_model(architecture: str, config, *, device: torch.device, dtype: torch.dtype, attention_backend: str,
-                kv_cache_dtype: str) -> nn.Module:
+                kv_cache_dtype: str, tp: TPGroup = SINGLE) -> nn.Module:
     """Our model of `architecture` made on `device` in `dtype` (weights uninitialised), in eval
-    mode, its attention layers told their query dtype."""
+    mode, its attention layers told their query dtype; with `tp` of several ranks, this rank's
+    shard (ValueError for a family without tensor parallelism)."""
+    cls = get_model_cls(architecture)
+    parallel = {}
+    if tp.size > 1:
+        if not getattr(cls, "supports_tensor_parallel", False):
+            raise ValueError(f"expected a model family with tensor parallelism (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3) for "
+                             f"tensor_parallel_size={tp.size}, got {architecture}")
+        parallel["tp"] = tp
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device), _no_random_init():
-            net = get_model_cls(architecture)(config, attention_backend=attention_backend,
-                                              kv_cache_dtype=kv_cache_dtype)
+            net = cls(config, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype, **parallel)
     finally:
         torch.set_default_dtype(default_dtype)
     net.eval().requires_grad_(False)
@@ -412,10 +424,26 @@ def _safetensors_files(folder: Path) -> list[Path]:
     raise FileNotFoundError(f"expected *.safetensors weights in {str(folder)!r}, found none")
 
 
-def _safetensors_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors_weights(files: list[Path]) -> Iterator[tuple[str, SafetensorsTensor]]:
     from safetensors import safe_open
 
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, SafetensorsTensor(f.get_slice(name))
+
+
+class SafetensorsTensor:
+    """A tensor of an open safetensors file, read only as far as it is indexed: `t[...]` reads
+    it all, `t[a:b]` or `t[:, a:b]` only those rows or columns (a tensor-parallel rank's shard).
+    Valid while the file is open: `_safetensors_weights` keeps it open until the next file."""
+
+    def __init__(self, part) -> None:
+        self._slice = part  # safetensors' PySafeSlice
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self._slice.get_shape())
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self._slice[index]

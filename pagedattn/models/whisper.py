@@ -29,8 +29,9 @@ from torch import nn
 
 from pagedattn.attention.types import AttentionType
 from pagedattn.layer import Attention
-from pagedattn.models.layers import (ENCODER_DECODER_STACKED, StackedLinear, activation_of,
-                                     encoder_decoder_spec_fields, float_logits, load_weights)
+from pagedattn.models.layers import (ENCODER_DECODER_STACKED, activation_of, encoder_decoder_spec_fields,
+                                     float_logits, load_weights)
+from pagedattn.parallel.layers import ColumnParallelLinear
 
 CONV_STRIDE = 2
 """Frames per encoder position: conv1 has stride 1, conv2 stride 2."""
@@ -156,9 +157,9 @@ class WhisperAttention(nn.Module):
         self.cross = cross
         if cross:
             self.q_proj = nn.Linear(d_model, d_model)
-            self.kv_proj = StackedLinear(d_model, (d_model, d_model), bias=True)  # k's bias shard stays 0
+            self.kv_proj = ColumnParallelLinear(d_model, (d_model, d_model), bias=True)  # k's bias shard stays 0
         else:
-            self.qkv_proj = StackedLinear(d_model, (d_model, d_model, d_model), bias=True)
+            self.qkv_proj = ColumnParallelLinear(d_model, (d_model, d_model, d_model), bias=True)
         self.out_proj = nn.Linear(d_model, d_model)
         self.attn = attn
 
@@ -344,4 +345,4 @@ def _with_zero_k_bias(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[t
     for name, tensor in weights:
         yield name, tensor
         if name.endswith(".k_proj.weight"):
-            yield name[: -len("weight")] + "bias", tensor.new_zeros(tensor.shape[0])
+            yield name[: -len("weight")] + "bias", torch.zeros(tensor.shape[0])

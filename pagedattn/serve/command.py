@@ -133,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
             server.run(sockets=[sock])
         except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it stopped on; a clean stop (as uvicorn.run)
             pass
+        finally:
+            engine.shutdown()  # tensor-parallel workers end with the server
     finally:
         sock.close()
     return 0

@@ -49,6 +49,25 @@ def test_tiny_run_writes_json_csv_and_plot(tmp_path, capsys):
     assert "targets:" in capsys.readouterr().out
 
 
+def test_tensor_parallel_run_reports_the_floor_per_gpu_and_the_all_reduce(tmp_path, capsys):
+    """At 2 ranks (CPU, gloo): the floor counts one rank's weights and KV heads, the step's
+    all-reduces are timed, transformers (one device's) is not run."""
+    out = tmp_path / "bench"
+    argv = ["--model-shape", "tiny-llama", "--device", "cpu", "--quick", "--reps", "1", "--batches", "2",
+            "--no-online", "--tensor-parallel-size", "2", "--out", str(out)]
+    assert engine.main(argv, "pagedattn bench engine") == 0
+    shape = json.loads((out / "engine_bench.json").read_text())["shapes"]["tiny-llama"]
+    assert shape["tensor_parallel_size"] == 2 and shape["num_layers"] == SHAPES["tiny-llama"]["num_hidden_layers"]
+    whole = engine_offline.weight_bytes_read(load_dummy_model("tiny-llama").model)
+    assert whole / 2 < shape["weight_bytes_read"] < whole  # half of every split matrix, the norms whole
+    decode = shape["decode_step"]
+    assert decode["all_reduce_s"] > 0
+    assert decode["all_reduces_per_step"] == 2 * SHAPES["tiny-llama"]["num_hidden_layers"]
+    assert decode["kv_bytes"] == decode["median_context_tokens"] * 2 * 2 * 1 * 16 * 4  # 2 layers, 1 KV head a rank
+    assert any("not compared at --tensor-parallel-size 2" in why for why in shape["skipped"])
+    assert "floor per GPU" in capsys.readouterr().out
+
+
 def test_bad_flags_are_one_line_errors(capsys):
     with pytest.raises(SystemExit) as exc:
         engine.main(["--model-shape", "gpt5", "--device", "cpu"], "pagedattn bench engine")
