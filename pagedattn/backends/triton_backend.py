@@ -171,11 +171,12 @@ class TritonImpl(AttentionImpl):
             max_decode_query_len=1, paged=paged, causal=call.causal, window=self.sliding_window is not None,
             alibi=self.alibi_slopes is not None, soft_cap=self.logits_soft_cap is not None, lse=False,
             split_limit=workspace.splits_for(q.shape[0], self.num_heads, self.head_size), write=write)
+        window = None if self.sliding_window is None else (self.sliding_window - 1, 0)  # window_size's form
         run_plan(plan_attention(facts), q, k, v, out, query_start_loc=call.query_start_loc, seq_lens=call.kv_lens,
-                 block_tables=tables, kv_start_loc=kv_start_loc, scale=self.scale,
-                 sliding_window=self.sliding_window, alibi_slopes=self.alibi_slopes_on(q.device),
-                 soft_cap=self.logits_soft_cap, k_scale=scales.k if scales else 1.0,
-                 v_scale=scales.v if scales else 1.0, lse=None, workspace=workspace, write=write)
+                 block_tables=tables, kv_start_loc=kv_start_loc, scale=self.scale, window=window,
+                 alibi_slopes=self.alibi_slopes_on(q.device), soft_cap=self.logits_soft_cap, sinks=None,
+                 k_scale=scales.k if scales else 1.0, v_scale=scales.v if scales else 1.0, lse=None,
+                 workspace=workspace, write=write)
 
 
 @functools.lru_cache(maxsize=None)
