@@ -18,6 +18,7 @@ from pagedattn.attention import (
     get_backend,
     kv_cache_dtype,
     list_backends,
+    merge_attn_states,
 )
 from pagedattn.layer import Attention, forward_context
 
@@ -56,4 +57,5 @@ __all__ = [
     "get_backend",
     "kv_cache_dtype",
     "list_backends",
+    "merge_attn_states",
 ]

@@ -12,8 +12,10 @@ keys/values for `flash_attn_with_kvcache`); nothing synchronises with the host, 
 captured in CUDA graphs.
 
 `window_size=(left, right)` keeps the keys in [p - left, p + right] of a query at bottom-right
-aligned position p (-1: unbounded). With `causal=True` (or `causal=False, right=0`, which is
-the same mask) `left >= 0` is the kernel's `sliding_window = left + 1`.
+aligned position p (-1: unbounded), as FlashAttention's local attention does: with
+`causal=False` on both sides (`(4, 3)`: 4 keys before the query, 3 after), with `causal=True`
+on the left only (`right` must be 0 or -1). `causal=False, right=0` is the causal mask with a
+left window and runs as one.
 
 Differences from Dao-AILab's flash-attn 2.x (each refusal raises `NotImplementedError` naming
 the argument; nothing is silently ignored):
@@ -24,13 +26,14 @@ the argument; nothing is silently ignored):
   (the split count is a function of the shapes), so `deterministic=True` is accepted.
 - Refused: `dropout_p != 0`; `rotary_cos`/`rotary_sin`; `alibi_slopes` of shape `[B, Hq]`;
   ALiBi without causal (FlashAttention's non-causal bias is `-slope * |p - j|`, the kernel's is
-  `slope * (j - p)`, equal only for keys at or before the query); windows other than
-  `(-1, -1)`, `(left, 0)` and, under causal, `(left, -1)`: a window reaching past the query
-  (`right > 0`) or a left-only window without causal; `cache_batch_idx` with `block_table`
-  (flash-attn refuses it too); `cache_leftpad` with `block_table` (likewise).
+  `slope * (j - p)`, equal only for keys at or before the query); under causal, a window
+  reaching past the query (`right > 0`; flash-attn 2.x sets it to 0 silently);
+  `cache_batch_idx` with `block_table` (flash-attn refuses it too); `cache_leftpad` with
+  `block_table` (likewise).
 - `return_attn_probs=True` returns `(out, softmax_lse, None)`; flash-attn 2.x returns an empty
   tensor as the third item when `dropout_p == 0` (it never returns real probabilities then).
-- A query that sees no key gets output 0 and LSE `-inf` (flash-attn 2.x writes `+inf`).
+- A query that sees no key gets output 0 and LSE `-inf` (flash-attn 2.x writes `+inf`), or its
+  sink's logit with `learnable_sink`.
 - `num_splits` is a hint: 0 picks a split count, 1 disables splitting, n > 1 asks for n splits,
   capped at the split-KV scratch size (16) and ignored when the step has more tokens than the
   scratch holds. The result does not depend on it beyond float rounding.
@@ -44,6 +47,9 @@ the argument; nothing is silently ignored):
   keyword-only `k_descale`/`v_descale`: one float32 scale each (a float or a one-element
   tensor; flash-attn 3's per-(batch, KV head) `[B, Hkv]` descales are refused unless they hold
   one element). New `k`/`v` appended to an FP8 cache are quantised with those scales.
+- Added, as FA4 (`flash_attn.cute`) names it: keyword-only `learnable_sink`, attention sinks
+  `[Hq]` float32/float16/bfloat16 (gpt-oss): one more logit per query head in the softmax's
+  denominator, whose value is 0, not scaled or soft-capped; its LSE includes it.
 - Speed, not results: a non-causal call with more than one query per sequence runs each query
   token as a sequence of its own (the kernel drops the leading rows of a non-causal sequence
   with more queries than keys), unless every sequence is known to have no more queries than
@@ -98,7 +104,7 @@ def _int32_vector(t, name: str, length: int, device) -> torch.Tensor:
 
 def _mask(causal: bool, window_size, alibi_slopes, num_heads: int, num_seqs: int, device):
     """FlashAttention's (causal, window_size, alibi_slopes) as the kernel's
-    (causal, sliding_window, alibi [Hq] float32 or None)."""
+    (causal, sliding_window (left, right) or None, alibi [Hq] float32 or None)."""
     _expect(len(window_size) == 2, "window_size", "(left, right)", window_size)
     left, right = (int(w) for w in window_size)
     _expect(left >= -1 and right >= -1, "window_size", "(left, right) with each >= -1",
@@ -110,10 +116,7 @@ def _mask(causal: bool, window_size, alibi_slopes, num_heads: int, num_seqs: int
                                "expected right in (-1, 0)")
     elif right == 0:
         causal = True  # (left, 0) is the causal mask with a left window, as in FlashAttention
-    elif (left, right) != (-1, -1):
-        raise _unsupported("window_size", tuple(window_size),
-                           "without causal only (-1, -1) and (left, 0) windows run on the kernel")
-    sliding_window = left + 1 if left >= 0 else None
+    sliding_window = None if (left, right) == (-1, -1) else (left, right)
     if alibi_slopes is None:
         return causal, sliding_window, None
     _expect(isinstance(alibi_slopes, torch.Tensor), "alibi_slopes", "a float32 tensor [Hq]",
@@ -164,13 +167,22 @@ def _attend(query, k, v, out, lse, *, query_start_loc, seq_lens, block_tables, k
                     workspace=workspace, num_splits=num_splits, **options)
 
 
+def _sinks(learnable_sink, num_heads: int, device) -> torch.Tensor | None:
+    """`learnable_sink` as the kernel takes it: [Hq] of unit stride, or None."""
+    if learnable_sink is None:
+        return None
+    _expect_tensor(learnable_sink, "learnable_sink", (num_heads,), FLOAT_DTYPES, device)
+    return learnable_sink.contiguous()
+
+
 def _kernel_options(q, k_dtype, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                    num_seqs, k_descale, v_descale) -> dict:
+                    num_seqs, k_descale, v_descale, learnable_sink) -> dict:
     causal, sliding_window, alibi = _mask(causal, window_size, alibi_slopes, q.shape[-2],
                                           num_seqs, q.device)
     return dict(
         scale=q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale),
         causal=causal, sliding_window=sliding_window, alibi_slopes=alibi,
+        sinks=_sinks(learnable_sink, q.shape[-2], q.device),
         soft_cap=float(softcap) if softcap > 0 else None,  # flash-attn: <= 0 is off
         k_scale=_descale(k_descale, "k_descale", k_dtype, q.device),
         v_scale=_descale(v_descale, "v_descale", k_dtype, q.device))
@@ -183,7 +195,7 @@ def flash_attn_varlen_func(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
     deterministic=False, return_attn_probs=False, block_table=None, out=None, *,
-    k_descale=None, v_descale=None,
+    k_descale=None, v_descale=None, learnable_sink=None,
 ):
     """Ragged (variable-length) attention; keys contiguous, or paged with `block_table`.
 
@@ -203,6 +215,7 @@ def flash_attn_varlen_func(
     return_attn_probs: also return the LSE. block_table: [B, max_blocks] int32.
     out: optional [total_q, Hq, D] in q's dtype, written and returned.
     k_descale, v_descale: FP8 scales (keyword-only extension, see the module doc).
+    learnable_sink: optional [Hq] attention sinks (keyword-only extension, see the module doc).
 
     Returns out [total_q, Hq, D], or with `return_attn_probs` (out, softmax_lse, None) where
     softmax_lse is [Hq, total_q] float32, the natural log of each row's softmax denominator.
@@ -233,7 +246,7 @@ def flash_attn_varlen_func(
     else:
         _expect_tensor(out, "out", tuple(q.shape), (q.dtype,), device)
     options = _kernel_options(q, k.dtype, softmax_scale, causal, window_size, softcap,
-                              alibi_slopes, num_seqs, k_descale, v_descale)
+                              alibi_slopes, num_seqs, k_descale, v_descale, learnable_sink)
     lse = (torch.empty(num_heads, total_q, dtype=torch.float32, device=device)
            if return_attn_probs else None)
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
@@ -264,7 +277,7 @@ def flash_attn_with_kvcache(
     cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
     causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
     alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, out=None, k_descale=None,
-    v_descale=None,
+    v_descale=None, learnable_sink=None,
 ):
     """Attention of B sequences' Sq new queries over their KV cache (decode, multi-token decode),
     after appending the new `k`/`v` to the cache in place when given.
@@ -286,6 +299,7 @@ def flash_attn_with_kvcache(
     num_splits: split-KV hint, 0 automatic (see the module doc).
     out: optional [B, Sq, Hq, D] in q's dtype whose first two dims flatten, written, returned.
     k_descale, v_descale: FP8 scales (keyword-only extension, see the module doc).
+    learnable_sink: optional [Hq] attention sinks (keyword-only extension, see the module doc).
 
     Returns out [B, Sq, Hq, D], or with `return_softmax_lse` (out, softmax_lse) where
     softmax_lse is [B, Hq, Sq] float32, natural log.
@@ -334,7 +348,7 @@ def flash_attn_with_kvcache(
     _expect(isinstance(num_splits, int) and num_splits >= 0, "num_splits", "an int >= 0",
             num_splits)
     options = _kernel_options(q, k_cache.dtype, softmax_scale, causal, window_size, softcap,
-                              alibi_slopes, num_seqs, k_descale, v_descale)
+                              alibi_slopes, num_seqs, k_descale, v_descale, learnable_sink)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=device)
     else:

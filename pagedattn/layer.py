@@ -138,7 +138,7 @@ class Attention(nn.Module):
         backend: str | None = None,
         layer_idx: int = 0,
         alibi_slopes: list[float] | torch.Tensor | None = None,
-        sliding_window: int | None = None,
+        sliding_window: int | tuple[int, int] | None = None,
         kv_cache_dtype: str = "auto",
         logits_soft_cap: float | None = None,
         attn_type: AttentionType = AttentionType.DECODER,

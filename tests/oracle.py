@@ -8,7 +8,9 @@ Semantics follow shared/API.md section 3, in this order:
     s = scale * q.k
     s = c * tanh(s / c)                    (logits_soft_cap c)
     s += slope_h * (key_pos - query_pos)   (ALiBi)
-    mask: key_pos <= query_pos (causal) and key_pos > query_pos - W (sliding window W)
+    mask: key_pos <= query_pos (causal) and key_pos > query_pos - W (sliding window W);
+          query_pos - left <= key_pos <= query_pos + right (FlashAttention's window (left, right),
+          -1 unbounded on that side)
     softmax over keys (and the head's sink logit, with a value of 0), then the weighted sum of values
 GQA/MQA: query head h reads KV head h // (Hq // Hkv). The LSE is the natural log of the
 softmax denominator, per (query token, head), as kernels that merge partial results report it.
@@ -108,6 +110,7 @@ def dense_attention_with_lse(
     query_pos: torch.Tensor | Sequence[int] | None = None,
     causal: bool = True,
     sliding_window: int | None = None,
+    window: tuple[int, int] | None = None,
     logits_soft_cap: float | None = None,
     alibi_slopes: Sequence[float] | torch.Tensor | None = None,
     sinks: Sequence[float] | torch.Tensor | None = None,
@@ -117,6 +120,8 @@ def dense_attention_with_lse(
     q: [Lq, Hq, D]; k, v: [Lk, Hkv, D] (any float dtype, any device; promoted to float64).
     query_pos: absolute position of each query row; keys sit at positions 0..Lk-1. The default
     is bottom-right alignment, `Lk - Lq + i`, i.e. the queries are the last Lq tokens.
+    window: (left, right), keys in [query_pos - left, query_pos + right], -1 unbounded (with
+    `sliding_window` W too, both apply).
     Returns (out [Lq, Hq, D] float64, lse [Lq, Hq] float64), lse the natural log of the sum of
     exp(score) over the keys the query sees, and exp(sinks[h]) with sinks (a sink joins the
     denominator only). A query that sees no key gets out 0 and lse -inf (sinks[h] with sinks).
@@ -152,6 +157,12 @@ def dense_attention_with_lse(
         allowed &= rel <= 0
     if sliding_window is not None:
         allowed &= rel > -int(sliding_window)
+    if window is not None:
+        left, right = (int(w) for w in window)
+        if left >= 0:
+            allowed &= rel >= -left
+        if right >= 0:
+            allowed &= rel <= right
     s = s.masked_fill(~allowed[None], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # [Hq, Lq]; -inf where the query sees no key
     if sinks is not None:

@@ -3,6 +3,7 @@
 from pagedattn.attention.backend import AttentionBackend, Capabilities
 from pagedattn.attention.impl import AttentionImpl
 from pagedattn.attention.builder import MetadataBuilder
+from pagedattn.attention.merge import merge_attn_states
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.registry import BackendStatus, BackendUnavailableError, get_backend, list_backends
 from pagedattn.attention.state import AttentionState
@@ -24,4 +25,5 @@ __all__ = [
     "get_backend",
     "kv_cache_dtype",
     "list_backends",
+    "merge_attn_states",
 ]

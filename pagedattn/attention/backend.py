@@ -29,6 +29,9 @@ class Capabilities:
     sliding_window: bool = True
     logits_soft_cap: bool = True
     sinks: bool = False  # a per-head logit in every softmax's denominator (gpt-oss)
+    # windows of bidirectional attention (ENCODER, ENCODER_ONLY), which may reach past the query:
+    # FlashAttention's window_size=(left, right) with right > 0
+    two_sided_window: bool = False
     why_not: tuple[tuple[str, str], ...] = ()  # (option, the reason it is refused), for the error
 
     def reason(self, option: str) -> str:

@@ -11,7 +11,8 @@
    as [num_blocks, block_size, Hkv, D]; or, where the backend says so (`_stores_in_attend`:
    a step of one call that writes the rows before it reads them), in that call
    (`AttendCall.store_slots`);
-5. call the backend's `_attend` for each.
+5. call the backend's `_attend` for each, with the rows of the caller's LSE buffer when
+   `forward(..., return_lse=True)` asked for the softmax's log-sum-exp.
 A backend implements `_attend` (and `_store` when it has its own store kernel); backends that
 run the prefill and decode parts of a step separately set `split_parts`.
 """
@@ -100,7 +101,7 @@ class AttentionImpl:
         scale: float,
         num_kv_heads: int | None = None,
         alibi_slopes: list[float] | torch.Tensor | None = None,
-        sliding_window: int | None = None,
+        sliding_window: int | tuple[int, int] | None = None,
         kv_cache_dtype: str = "auto",
         logits_soft_cap: float | None = None,
         attn_type: AttentionType = AttentionType.DECODER,
@@ -117,8 +118,6 @@ class AttentionImpl:
             raise ValueError(f"expected attn_type to be a pagedattn.AttentionType, got {attn_type!r}")
         if kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
             raise ValueError(f"expected kv_cache_dtype in {list(KV_CACHE_DTYPE_NAMES)}, got {kv_cache_dtype!r}")
-        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-            raise ValueError(f"expected sliding_window >= 1 or None, got {sliding_window!r}")
         if logits_soft_cap is not None and not logits_soft_cap > 0:
             raise ValueError(f"expected logits_soft_cap > 0 or None, got {logits_soft_cap}")
         self.num_heads = num_heads
@@ -126,7 +125,8 @@ class AttentionImpl:
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads
         self.alibi_slopes = _slopes(alibi_slopes, num_heads)
-        self.sliding_window = sliding_window
+        # FlashAttention's window_size (left, right): keys in [p - left, p + right], -1 unbounded
+        self.window = _window(sliding_window, attn_type)
         self.kv_cache_dtype = kv_cache_dtype
         self.logits_soft_cap = logits_soft_cap
         self.attn_type = attn_type
@@ -142,8 +142,6 @@ class AttentionImpl:
         self._check_capabilities(self.backend.capabilities_on(DeviceProfile.of()))
 
     def _check_semantics(self) -> None:
-        if self.attn_type is not AttentionType.DECODER and self.sliding_window is not None:
-            raise ValueError(f"sliding_window is defined for DECODER attention only, got attn_type={self.attn_type.name}")
         if self.attn_type is AttentionType.ENCODER_DECODER and self.alibi_slopes is not None:
             raise ValueError("ALiBi is not defined for cross-attention (ENCODER_DECODER): positions do not compare")
 
@@ -160,8 +158,11 @@ class AttentionImpl:
             refusals.append(f"attn_type={self.attn_type.name} (supported: {[t.name for t in caps.attn_types]})")
         if self.alibi_slopes is not None and not caps.alibi:
             refusals.append(f"alibi_slopes{caps.reason('alibi')}")
-        if self.sliding_window is not None and not caps.sliding_window:
+        if self.window is not None and not caps.sliding_window:
             refusals.append(f"sliding_window{caps.reason('sliding_window')}")
+        elif self.window is not None and self.attn_type in _BIDIRECTIONAL and not caps.two_sided_window:
+            refusals.append(f"sliding_window={self.window} on {self.attn_type.name} attention"
+                            f"{caps.reason('two_sided_window')}")
         if self.logits_soft_cap is not None and not caps.logits_soft_cap:
             refusals.append(f"logits_soft_cap{caps.reason('logits_soft_cap')}")
         if self.sinks is not None and not caps.sinks:
@@ -191,7 +192,10 @@ class AttentionImpl:
         k_scale: Scale = 1.0,
         v_scale: Scale = 1.0,
         output: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        *,
+        return_lse: bool = False,
+        output_lse: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Write `key`/`value` into `kv_cache` at the step's slots, then attend.
 
         Args:
@@ -202,13 +206,19 @@ class AttentionImpl:
             kv_cache: one layer's cache of `get_kv_cache_shape(...)`, or numel 0 (profiling).
             k_scale, v_scale: FP8 scales, floats or 0-dim float32 tensors.
             output: [T, Hq*D] in the query's dtype; written in place and returned.
+            return_lse: also return the softmax's log-sum-exp (for merging attention over
+                disjoint keys: `pagedattn.merge_attn_states`).
+            output_lse: [T, Hq] float32, contiguous; the LSE is written there (no allocation).
         Returns:
-            [T, Hq*D].
+            [T, Hq*D]; with `return_lse`, (out, lse): lse float32 [T, Hq], the natural log of
+            each query row's softmax denominator (its sink's term included), -inf for a row
+            that sees no key and has no sink.
         """
         md = attn_metadata
         q, k, v = self._check_inputs(query, key, value, kv_cache, md)
         out = self._check_output(output, q)
         o = out.view(q.shape)
+        lse = self._check_lse(output_lse, q) if return_lse or output_lse is not None else None
         cached = kv_cache.numel() > 0 and self.attn_type in (AttentionType.DECODER, AttentionType.ENCODER_DECODER)
         k_cache = v_cache = None
         scales = None
@@ -224,8 +234,9 @@ class AttentionImpl:
             self._store(k, v, k_cache, v_cache, slots, scales, md, self.attn_type is AttentionType.ENCODER_DECODER)
         for call in calls:
             if call.rows.start != call.rows.stop:
-                self._attend(q[call.rows], o[call.rows], call, kv_cache if cached else None, scales)
-        return out
+                self._attend(q[call.rows], o[call.rows], call, kv_cache if cached else None, scales,
+                             None if lse is None else lse[call.rows])
+        return out if lse is None else (out, lse)
 
     def _cache_views(self, kv_cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The K/V halves of `kv_cache` (`Backend.split_kv_cache`), each viewed as [num_blocks,
@@ -250,10 +261,11 @@ class AttentionImpl:
         return False
 
     def _attend(self, q: torch.Tensor, out: torch.Tensor, call: AttendCall, kv_cache: torch.Tensor | None,
-                scales: KVScales | None) -> None:
+                scales: KVScales | None, lse: torch.Tensor | None = None) -> None:
         """Attend `q` [Tc, Hq, D] as `call` says, into `out` [Tc, Hq, D]. `kv_cache` is the
         layer's whole cache (None when the call reads the step's rows or the cache is empty);
-        `scales` the FP8 scales (None unless the cache is FP8)."""
+        `scales` the FP8 scales (None unless the cache is FP8); `lse` [Tc, Hq] float32, where
+        given, receives each row's natural-log LSE (`forward`'s)."""
         raise NotImplementedError
 
     def sinks_on(self, device: torch.device) -> torch.Tensor | None:
@@ -403,6 +415,17 @@ class AttentionImpl:
                 f"D={self.head_size}), got {tuple(kv_cache.shape)}"
             )
 
+    def _check_lse(self, output_lse: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+        t = q.shape[0]
+        if output_lse is None:
+            return torch.empty(t, self.num_heads, dtype=torch.float32, device=q.device)
+        if output_lse.dtype != torch.float32 or output_lse.device != q.device:
+            raise TypeError(f"expected output_lse float32 on {q.device}, got {output_lse.dtype} on {output_lse.device}")
+        if tuple(output_lse.shape) != (t, self.num_heads) or not output_lse.is_contiguous():
+            raise ValueError(f"expected a contiguous output_lse of [{t}, {self.num_heads}], "
+                             f"got {list(output_lse.shape)}")
+        return output_lse
+
     def _check_output(self, output: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
         t = q.shape[0]
         if output is None:
@@ -446,14 +469,52 @@ def _heads_view(name: str, x: torch.Tensor, tokens: int, heads: int, head_size: 
 
 
 def _sinks(sinks, num_heads: int) -> torch.Tensor | None:
-    """`sinks` checked: a floating tensor [Hq], one logit per query head (gpt-oss's learnable
-    sinks), kept as given (not copied)."""
+    """`sinks` checked: a floating tensor [Hq] of unit stride (kernels index it by head), one
+    logit per query head (gpt-oss's learnable sinks), kept as given (not copied)."""
     if sinks is None:
         return None
-    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() or tuple(sinks.shape) != (num_heads,):
-        got = list(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
-        raise ValueError(f"expected sinks a floating-point tensor of [{num_heads}] (one logit per query head), got {got}")
+    if (not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() or tuple(sinks.shape) != (num_heads,)
+            or sinks.stride(0) != 1):
+        got = (f"{sinks.dtype} {list(sinks.shape)} of stride {sinks.stride()}" if isinstance(sinks, torch.Tensor)
+               else type(sinks).__name__)
+        raise ValueError(f"expected sinks a floating-point tensor of [{num_heads}] (one logit per query head) "
+                         f"of unit stride, got {got}")
     return sinks
+
+
+_BIDIRECTIONAL = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
+
+
+def _window(sliding_window, attn_type: AttentionType) -> tuple[int, int] | None:
+    """`sliding_window` as FlashAttention's `window_size` (left, right): the query at position p
+    sees keys in [p - left, p + right], -1 unbounded on that side; None for no window.
+
+    An int W (W >= 1) is W keys up to the query's own position: (W - 1, 0). A (left, right)
+    tuple (ints >= -1) reaches past the query (right > 0) only where attention is bidirectional
+    (ENCODER, ENCODER_ONLY); a DECODER's is causal, so its right side is 0 (or -1: the same
+    mask). Cross-attention (ENCODER_DECODER) takes none: decoder and encoder positions do not
+    compare. (-1, -1) is no window."""
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, int) and not isinstance(sliding_window, bool) and sliding_window >= 1:
+        window = (sliding_window - 1, 0)
+    elif (isinstance(sliding_window, (tuple, list)) and len(sliding_window) == 2
+          and all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in sliding_window)):
+        window = tuple(sliding_window)
+    else:
+        raise ValueError("expected sliding_window an int >= 1, a (left, right) tuple of ints >= -1 "
+                         f"(FlashAttention's window_size), or None, got {sliding_window!r}")
+    if attn_type is AttentionType.ENCODER_DECODER:
+        raise ValueError(f"sliding_window is not defined for cross-attention (ENCODER_DECODER): decoder and "
+                         f"encoder positions do not compare, got {sliding_window!r}")
+    if attn_type is AttentionType.DECODER:
+        if window[1] not in (-1, 0):
+            raise ValueError(f"a DECODER's sliding_window cannot reach past the query (causal attention): expected "
+                             f"right in (-1, 0), got {sliding_window!r} (two-sided windows are for ENCODER and "
+                             "ENCODER_ONLY attention)")
+        window = (window[0], 0)
+        return None if window[0] == -1 else window
+    return None if window == (-1, -1) else window
 
 
 def _slopes(alibi_slopes, num_heads: int) -> torch.Tensor | None:

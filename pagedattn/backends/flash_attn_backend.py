@@ -10,8 +10,12 @@ shared forward:
 - a decode part: `flash_attn_with_kvcache` over the block tables, one query per sequence;
 - encoder, encoder-only and cross attention: the same two functions, not causal; profiling
   runs with an empty cache: `flash_attn_varlen_func` over the step's rows.
-Sliding window W is FlashAttention's `window_size=(W - 1, 0)`; FP8 caches pass their scales
-as `k_descale`/`v_descale` (vLLM's FlashAttention fork names them so).
+The layer's window is FlashAttention's `window_size` (a sliding window W is `(W - 1, 0)`; an
+encoder's two-sided `(left, right)` as given); FP8 caches pass their scales as
+`k_descale`/`v_descale` (vLLM's FlashAttention fork names them so); attention sinks as FA4's
+`learnable_sink` (FA3 and FA2 have none: refused at construction). The LSE (`forward(...,
+return_lse=True)`) is the provider's `softmax_lse` ([Hq, T] from the varlen call, [B, Hq, 1]
+from the decode call), copied into the caller's [T, Hq] rows.
 
 Provider (`flash_attn_providers`): Dao-AILab's flash_attn (FA3, FA4 or FA2) where one imports
 and runs on the device, else `pagedattn.flash_attn_interface` (our Triton kernels, every device
@@ -140,34 +144,47 @@ class FlashAttnImpl(AttentionImpl):
     _store = triton_backend.TritonImpl._store  # our store kernel, whichever provider attends
 
     def _options(self, causal: bool, scales, device) -> dict:
-        window = (-1, -1) if self.sliding_window is None else (self.sliding_window - 1, 0)
-        options = dict(softmax_scale=self.scale, causal=causal, window_size=window,
+        options = dict(softmax_scale=self.scale, causal=causal, window_size=self.window or (-1, -1),
                        softcap=self.logits_soft_cap or 0.0, alibi_slopes=self.alibi_slopes_on(device))
         if scales is not None:
             options.update(k_descale=scales.k, v_descale=scales.v)
+        if self.sinks is not None:
+            options.update(learnable_sink=self.sinks_on(device))
         return options
 
-    def _attend(self, q, out, call: AttendCall, kv_cache, scales) -> None:
+    def _attend(self, q, out, call: AttendCall, kv_cache, scales, lse=None) -> None:
         fa = providers.require(q.device.type).api
         md = call.md
         options = self._options(call.causal, scales, q.device)
         if call.source is Source.STEP:
-            fa.flash_attn_varlen_func(q, call.k, call.v, call.query_start_loc, call.kv_start_loc, call.max_query_len,
-                                      call.max_kv_len, out=out, **options)
-            return
-        if not call.is_prefill_part:  # one query per sequence, through the block tables
-            fa.flash_attn_with_kvcache(q.unsqueeze(1), call.k, call.v, cache_seqlens=call.kv_lens,
-                                       block_table=call.block_tables, out=out.unsqueeze(1), **options)
-            return
-        if call.keys_are_step_rows:  # ragged: the prompts' keys are the step's
+            res = fa.flash_attn_varlen_func(q, call.k, call.v, call.query_start_loc, call.kv_start_loc,
+                                            call.max_query_len, call.max_kv_len, out=out,
+                                            return_attn_probs=lse is not None, **options)
+        elif not call.is_prefill_part:  # one query per sequence, through the block tables
+            res = fa.flash_attn_with_kvcache(q.unsqueeze(1), call.k, call.v, cache_seqlens=call.kv_lens,
+                                             block_table=call.block_tables, out=out.unsqueeze(1),
+                                             return_softmax_lse=lse is not None, **options)
+        elif call.keys_are_step_rows:  # ragged: the prompts' keys are the step's
             options.pop("k_descale", None), options.pop("v_descale", None)
-            fa.flash_attn_varlen_func(q, call.step_k, call.step_v, call.query_start_loc, call.query_start_loc,
-                                      call.max_query_len, call.max_query_len, out=out, **options)
-            return
-        cross = call.source is Source.CROSS_CACHE
-        cu_seqlens_k = md.encoder_seq_start_loc if cross else md.seq_start_loc
-        fa.flash_attn_varlen_func(q, call.k, call.v, call.query_start_loc, cu_seqlens_k, call.max_query_len,
-                                  call.max_kv_len, block_table=call.block_tables, out=out, **options)
+            res = fa.flash_attn_varlen_func(q, call.step_k, call.step_v, call.query_start_loc, call.query_start_loc,
+                                            call.max_query_len, call.max_query_len, out=out,
+                                            return_attn_probs=lse is not None, **options)
+        else:
+            cross = call.source is Source.CROSS_CACHE
+            cu_seqlens_k = md.encoder_seq_start_loc if cross else md.seq_start_loc
+            res = fa.flash_attn_varlen_func(q, call.k, call.v, call.query_start_loc, cu_seqlens_k,
+                                            call.max_query_len, call.max_kv_len, block_table=call.block_tables,
+                                            out=out, return_attn_probs=lse is not None, **options)
+        if lse is not None:
+            _copy_lse(lse, res[1])
+
+
+def _copy_lse(lse: torch.Tensor, softmax_lse: torch.Tensor) -> None:
+    """A provider's `softmax_lse` (varlen [Hq, Tc]; decode [Tc, Hq, 1]) into `lse` [Tc, Hq], a
+    row that sees no key as -inf (FlashAttention 2 writes +inf there)."""
+    src = softmax_lse.t() if softmax_lse.dim() == 2 else softmax_lse[..., 0]
+    lse.copy_(src)
+    lse.masked_fill_(lse == float("inf"), float("-inf"))
 
 
 @functools.cache

@@ -2,8 +2,9 @@
 
 A provider exposes FlashAttention 2's two paged entry points as the backend calls them
 (`api.flash_attn_varlen_func(..., block_table=, out=)` and `api.flash_attn_with_kvcache(...,
-out=)`, FP8 descales as keyword-only `k_descale`/`v_descale`) and its limits as data
-(`capabilities`, `block_size_multiple`, `cuda_graphs`).
+out=)`, FP8 descales as keyword-only `k_descale`/`v_descale`, attention sinks as FA4's
+keyword-only `learnable_sink`) and its limits as data (`capabilities`, `block_size_multiple`,
+`cuda_graphs`).
 
 Dao-AILab's builds are tried in this order on CUDA, the first that imports and runs one tiny
 paged decode against a dense reference (`smoke_test`) wins:
@@ -41,6 +42,7 @@ MODULES = {"fa3": "flash_attn_interface", "fa4": "flash_attn.cute", "fa2": "flas
 DISTRIBUTIONS = {"fa3": ("flash_attn_3", "flash-attn-3"), "fa4": ("flash-attn-4",), "fa2": ("flash-attn", "flash_attn")}
 HALF = (torch.float16, torch.bfloat16)
 NO_ALIBI = "{} takes no ALiBi slopes"
+NO_SINKS = "{} takes no attention sinks (FA4's learnable_sink is what runs them)"
 
 
 @dataclass(frozen=True)
@@ -205,8 +207,10 @@ def _fa4(arch: tuple[int, int]) -> Provider | str:
         sizes = "8..128 multiples of 8, or 256"
     label = f"FA4 {_version('fa4', cute)} (flash_attn.cute, SM {major}.x)"
     fp8 = "FP8 KV cache (FA4 reads FP8 only with FP8 queries, and only on SM 10.x)"
-    caps = Capabilities(head_sizes=head_sizes, dtypes=HALF, kv_cache_dtypes=("auto",), alibi=False,
-                        why_not=(("alibi", NO_ALIBI.format("FA4")),))
+    # sinks: FA4's `learnable_sink` (its SM 9.x and SM 10.x forward kernels; on SM 10.x not at
+    # head size 256, which FA4 asserts at the call)
+    caps = Capabilities(head_sizes=head_sizes, dtypes=HALF, kv_cache_dtypes=("auto",), alibi=False, sinks=True,
+                        two_sided_window=True, why_not=(("alibi", NO_ALIBI.format("FA4")),))
     limits = (f"float16/bfloat16 queries; head sizes {sizes}; no {fp8}; no ALiBi; "
               "each new shape variant compiles on its first call (CuTe DSL JIT, seconds)")
     return Provider("fa4", label, FA4Api(cute.flash_attn_varlen_func), caps,
@@ -245,12 +249,13 @@ class FA4Api:
     def flash_attn_varlen_func(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                                softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
-                               block_table=None, out=None, *, k_descale=None, v_descale=None):
+                               block_table=None, out=None, *, k_descale=None, v_descale=None, learnable_sink=None):
         """As `pagedattn.flash_attn_interface.flash_attn_varlen_func`; q [total_q, Hq, D] fp16/bf16."""
         _refuse("FA4", dropout_p=dropout_p, alibi_slopes=alibi_slopes, k_descale=k_descale, v_descale=v_descale)
         options = dict(cu_seqlens_q=cu_seqlens_q, max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k),
                        softmax_scale=softmax_scale, causal=causal, window_size=_fa4_window(window_size),
-                       softcap=float(softcap) if softcap > 0 else 0.0, return_lse=bool(return_attn_probs))
+                       learnable_sink=learnable_sink, softcap=float(softcap) if softcap > 0 else 0.0,
+                       return_lse=bool(return_attn_probs))
         if block_table is None:
             o, lse = self.varlen(q, k, v, cu_seqlens_k=cu_seqlens_k, **options)
         else:
@@ -263,7 +268,8 @@ class FA4Api:
                                 cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                                 softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                 rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                                return_softmax_lse=False, *, out=None, k_descale=None, v_descale=None):
+                                return_softmax_lse=False, *, out=None, k_descale=None, v_descale=None,
+                                learnable_sink=None):
         """As `pagedattn.flash_attn_interface.flash_attn_with_kvcache` without appending
         (`k`/`v`), rotary, `cache_batch_idx` or `cache_leftpad`; q [B, Sq, Hq, D] fp16/bf16."""
         _refuse("FA4", k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
@@ -271,8 +277,8 @@ class FA4Api:
         if isinstance(cache_seqlens, int):
             cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
         options = dict(seqused_k=cache_seqlens, softmax_scale=softmax_scale, causal=causal,
-                       window_size=_fa4_window(window_size), softcap=float(softcap) if softcap > 0 else 0.0,
-                       return_lse=bool(return_softmax_lse))
+                       window_size=_fa4_window(window_size), learnable_sink=learnable_sink,
+                       softcap=float(softcap) if softcap > 0 else 0.0, return_lse=bool(return_softmax_lse))
         o, lse = self.varlen(q, k_cache, v_cache, page_table=block_table, **options)
         o = _into(out, o)
         return (o, lse) if return_softmax_lse else o  # lse [B, Hq, Sq]
@@ -295,10 +301,11 @@ def _fa3(arch: tuple[int, int]) -> Provider | str:
     import flash_attn_interface as fa3
 
     caps = Capabilities(head_sizes=tuple(range(8, 257, 8)), dtypes=HALF, kv_cache_dtypes=("auto",), alibi=False,
-                        why_not=(("alibi", NO_ALIBI.format("FA3")),))
+                        two_sided_window=True,
+                        why_not=(("alibi", NO_ALIBI.format("FA3")), ("sinks", NO_SINKS.format("FA3"))))
     return Provider("fa3", f"FA3 {_version('fa3', fa3)} (flash_attn_interface)", FA3Api(fa3), caps,
                     limits="float16/bfloat16 queries; head sizes up to 256, multiples of 8; no FP8 KV cache "
-                           "with 16-bit queries; no ALiBi")
+                           "with 16-bit queries; no ALiBi; no attention sinks")
 
 
 class FA3Api:
@@ -312,8 +319,9 @@ class FA3Api:
     def flash_attn_varlen_func(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                                softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
-                               block_table=None, out=None, *, k_descale=None, v_descale=None):
-        _refuse("FA3", dropout_p=dropout_p, alibi_slopes=alibi_slopes, k_descale=k_descale, v_descale=v_descale)
+                               block_table=None, out=None, *, k_descale=None, v_descale=None, learnable_sink=None):
+        _refuse("FA3", dropout_p=dropout_p, alibi_slopes=alibi_slopes, k_descale=k_descale, v_descale=v_descale,
+                learnable_sink=learnable_sink)
         options = dict(softmax_scale=softmax_scale, causal=causal, window_size=tuple(window_size), softcap=softcap)
         if block_table is None:
             res = self.fa3.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -331,8 +339,10 @@ class FA3Api:
                                 cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                                 softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                 rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                                return_softmax_lse=False, *, out=None, k_descale=None, v_descale=None):
-        _refuse("FA3", alibi_slopes=alibi_slopes, k_descale=k_descale, v_descale=v_descale)
+                                return_softmax_lse=False, *, out=None, k_descale=None, v_descale=None,
+                                learnable_sink=None):
+        _refuse("FA3", alibi_slopes=alibi_slopes, k_descale=k_descale, v_descale=v_descale,
+                learnable_sink=learnable_sink)
         res = self.fa3.flash_attn_with_kvcache(
             q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
             cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, page_table=block_table,
@@ -348,11 +358,12 @@ def _fa2(arch: tuple[int, int]) -> Provider | str:
         return f"FA2 needs SM 8.0 or newer, this GPU is SM {arch[0]}.{arch[1]}"
     from flash_attn import flash_attn_interface as fa2
 
-    caps = Capabilities(head_sizes=tuple(range(8, 257, 8)), dtypes=HALF, kv_cache_dtypes=("auto",))
+    caps = Capabilities(head_sizes=tuple(range(8, 257, 8)), dtypes=HALF, kv_cache_dtypes=("auto",),
+                        two_sided_window=True, why_not=(("sinks", NO_SINKS.format("FA2")),))
     return Provider("fa2", f"FA2 {_version('fa2', fa2)} (flash_attn.flash_attn_interface)", FA2Api(fa2), caps,
                     block_size_multiple=256,
                     limits="float16/bfloat16 queries; head sizes up to 256, multiples of 8; no FP8 KV cache; "
-                           "paged block sizes multiples of 256")
+                           "paged block sizes multiples of 256; no attention sinks")
 
 
 class FA2Api:
@@ -361,13 +372,14 @@ class FA2Api:
     def __init__(self, module):
         self.fa2 = module
 
-    def flash_attn_varlen_func(self, *args, out=None, k_descale=None, v_descale=None, **kwargs):
-        _refuse("FA2", k_descale=k_descale, v_descale=v_descale)
+    def flash_attn_varlen_func(self, *args, out=None, k_descale=None, v_descale=None, learnable_sink=None, **kwargs):
+        _refuse("FA2", k_descale=k_descale, v_descale=v_descale, learnable_sink=learnable_sink)
         res = self.fa2.flash_attn_varlen_func(*args, **kwargs)
         return (_into(out, res[0]), *res[1:]) if isinstance(res, tuple) else _into(out, res)
 
-    def flash_attn_with_kvcache(self, *args, out=None, k_descale=None, v_descale=None, **kwargs):
-        _refuse("FA2", k_descale=k_descale, v_descale=v_descale)
+    def flash_attn_with_kvcache(self, *args, out=None, k_descale=None, v_descale=None, learnable_sink=None,
+                                **kwargs):
+        _refuse("FA2", k_descale=k_descale, v_descale=v_descale, learnable_sink=learnable_sink)
         res = self.fa2.flash_attn_with_kvcache(*args, **kwargs)
         return (_into(out, res[0]), *res[1:]) if isinstance(res, tuple) else _into(out, res)
 

@@ -24,9 +24,14 @@ graph keeps the value it was captured with. Only a tensor first met inside a cap
 on the device: q * k_scale written into `out` and run from there (rounding q * k_scale to the
 model dtype costs some precision), out *= v_scale.
 
+The LSE (`forward(..., return_lse=True)`): the wrappers' `run(lse=, return_lse=True)` write
+FlashInfer's base-2 LSE ([T, Hq], log2 of the softmax denominator) into the caller's rows, then
+scaled by ln 2 in place.
+
 Refused at construction: ALiBi (FlashInfer's ALIBI mode uses its own fixed slopes, `run()`
 takes no per-head slopes), float32 (FlashInfer compiles no fp32 kernels), head sizes FlashInfer
-does not build (see `FlashInferBackend.capabilities`).
+does not build (see `FlashInferBackend.capabilities`), attention sinks and windows of
+bidirectional attention (the reasons are in `capabilities`).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from pagedattn.backends.flashinfer_plan import (LayerSpec, PagedKV, Plans, Role,
 from pagedattn.intmath import cumsum
 
 _MIN_VERSION = (0, 7)
+_LN2 = 0.6931471805599453
 
 
 def _version() -> str | None:
@@ -88,7 +94,13 @@ class FlashInferBackend(AttentionBackend):
         dtypes=(torch.float16, torch.bfloat16),
         alibi=False,
         why_not=(("alibi", "FlashInfer 0.7's batch wrappers apply their own fixed slopes "
-                           "(pos_encoding_mode='ALIBI') and take no per-head slopes"),),
+                           "(pos_encoding_mode='ALIBI') and take no per-head slopes"),
+                 # FlashInfer 0.7.2's paged prefill/decode `run(sinks=)` reaches only its trtllm-gen
+                 # (Blackwell) kernels; the FA2/FA3 kernels it runs on sm_80-sm_90 are called without it
+                 # (prefill.py, `paged_run`), and its sink variant is a separately JIT-built module
+                 ("sinks", "FlashInfer 0.7.2's paged wrappers apply `sinks=` on its Blackwell trtllm-gen kernels "
+                           "only; its FA2/FA3 kernels (sm_80-sm_90) ignore it"),
+                 ("two_sided_window", "FlashInfer's window_left bounds a causal window on the left only")),
     )
     kv_cache_block_dim = 0  # swap/copy move whole kv[blk] slices (K and V of the block)
 
@@ -411,27 +423,30 @@ class FlashInferImpl(AttentionImpl):
         return LayerSpec(
             num_qo_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_size,
             sm_scale=self.scale,
-            window_left=-1 if self.sliding_window is None else self.sliding_window - 1,
+            window_left=-1 if self.window is None else self.window[0],  # a DECODER's: (left, 0)
             logits_soft_cap=float(self.logits_soft_cap or 0.0), attn_type=self.attn_type, q_dtype=q_dtype,
             kv_dtype=q_dtype if no_cache else kv_cache_dtype(self.kv_cache_dtype, q_dtype))
 
-    def _attend(self, q, out, call: AttendCall, kv_cache, scales) -> None:
+    def _attend(self, q, out, call: AttendCall, kv_cache, scales, lse=None) -> None:
         """q/out: [Tc, Hq, D] fp16/bf16; kv_cache: (num_blocks, 2, bs, Hkv, D), or None for a
-        call over the step's own K/V (`call.k`/`call.v` [Tk, Hkv, D])."""
+        call over the step's own K/V (`call.k`/`call.v` [Tk, Hkv, D]); lse: [Tc, Hq] float32."""
         part = call.md
         if not isinstance(part, FlashInferMetadata) or part.plans is None:
             raise TypeError(f"expected metadata from the flashinfer builder or state, got {type(part).__name__}")
         self.q_dtypes.add(q.dtype)
         spec = self.spec(q.dtype)
         wrapper = _wrapper(part, _role(call.source, call.is_prefill_part, self.attn_type), spec)
+        lse_args = {} if lse is None else dict(lse=lse, return_lse=True)
         if call.source is Source.STEP:
-            wrapper.run(q, call.k, call.v, out=out)
+            wrapper.run(q, call.k, call.v, out=out, **lse_args)
         elif scales is None:
-            wrapper.run(q, kv_cache, out=out)
+            wrapper.run(q, kv_cache, out=out, **lse_args)
         else:
-            self._run_fp8(wrapper, q, kv_cache, out, scales)
+            self._run_fp8(wrapper, q, kv_cache, out, scales, lse_args)
+        if lse is not None:
+            lse.mul_(_LN2)  # FlashInfer's LSE is base 2
 
-    def _run_fp8(self, wrapper, q, kv_cache, out, scales) -> None:
+    def _run_fp8(self, wrapper, q, kv_cache, out, scales, lse_args) -> None:
         ks, vs = scales.host()
         run_scales = {}
         if ks is None:  # in a capture, a scale tensor never read: apply it on the device
@@ -441,7 +456,7 @@ class FlashInferImpl(AttentionImpl):
             run_scales["k_scale"] = ks
         if vs is not None:
             run_scales["v_scale"] = vs
-        wrapper.run(q, kv_cache, out=out, **run_scales)
+        wrapper.run(q, kv_cache, out=out, **run_scales, **lse_args)
         if vs is None:
             out.mul_(scales.v)
 

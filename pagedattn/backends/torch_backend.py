@@ -3,7 +3,8 @@
 Each part of a step (prefills, decodes, encoder tokens) is computed densely: the part's queries
 form a padded `[B, Lq]` grid, its keys/values `[B, Lk]` are gathered (through the block tables,
 or from the step's own tokens) and read in float32, and one masked float32 softmax covers the
-batch (`scaled_dot_product_attention`, or explicit scores with a logit soft cap).
+batch (`scaled_dot_product_attention`, or explicit scores with a logit soft cap, attention sinks
+or when the caller asks for the softmax's log-sum-exp).
 
 What depends only on the step (gather indices, the additive mask, which keys exist, the rows
 of the output, the buffers that keys/values are gathered into) is a `_Plan`, built by the first
@@ -41,7 +42,7 @@ def unavailable_reasons() -> list[str]:
 
 
 class TorchBackend(AttentionBackend):
-    capabilities = Capabilities(sinks=True)
+    capabilities = Capabilities(sinks=True, two_sided_window=True)
 
     @staticmethod
     def get_name() -> str:
@@ -121,8 +122,9 @@ class TorchImpl(AttentionImpl):
     backend = TorchBackend
     split_parts = True  # a decode part is a one-row grid: no padding to the prefills' length
 
-    def _attend(self, q, out, call: AttendCall, kv_cache, scales) -> None:
-        """Attend `q` [Tc, Hq, D] into `out` [Tc, Hq, D] over the call's keys, in float32."""
+    def _attend(self, q, out, call: AttendCall, kv_cache, scales, lse=None) -> None:
+        """Attend `q` [Tc, Hq, D] into `out` [Tc, Hq, D] (and its LSE into `lse` [Tc, Hq]) over
+        the call's keys, in float32."""
         paged = call.source is not Source.STEP
         if paged:
             block_size, num_kv_rows = kv_cache.shape[2], kv_cache.shape[1]
@@ -131,12 +133,14 @@ class TorchImpl(AttentionImpl):
             block_size, num_kv_rows, kv = 0, call.k.shape[0], (call.k, call.v)
         t = q.shape[0]
         key = (self.attn_type, call.source, call.rows.start, block_size, num_kv_rows, t, call.max_query_len, call.causal,
-               self.sliding_window, self.alibi_slopes is not None)
+               self.window, self.alibi_slopes is not None)
         md = call.md if isinstance(call.md, TorchMetadata) else None
         build = lambda: self._plan(call, t, block_size, num_kv_rows)  # noqa: E731
         plan = md.plan(key, build) if md is not None else build()
         if plan.lk == 0:  # no sequence has a key (only graph padding): rows that see no key are 0
             out.zero_()
+            if lse is not None:  # and their LSE that of the sink alone
+                lse.copy_(self._no_key_lse(lse))
             return
         keys, values = _gather(plan, paged, kv)  # [B, Hkv, Lk, D] float32 x2, missing keys zeroed
         b, lq, hq, hkv, d = plan.b, plan.lq, self.num_heads, self.num_kv_heads, self.head_size
@@ -148,8 +152,9 @@ class TorchImpl(AttentionImpl):
             qf = q.float().view(b, hq, 1, d)  # decode: one row per sequence
         else:
             qf = q.float().index_select(0, plan.q_rows).view(b, lq, hq, d).transpose(1, 2)  # [B, Hq, Lq, D]
-        if self.logits_soft_cap is not None or self.sinks is not None:
-            o = self._explicit(qf, keys, values, bias)
+        row_lse = None
+        if self.logits_soft_cap is not None or self.sinks is not None or lse is not None:
+            o, row_lse = self._explicit(qf, keys, values, bias)
         elif lq == 1:
             # Each KV head's G query heads as its query rows: a plain SDPA, no K/V expansion.
             o = F.scaled_dot_product_attention(
@@ -161,13 +166,24 @@ class TorchImpl(AttentionImpl):
         o = torch.where(plan.has_key, o, 0.0)  # [B, Hq, Lq, D]; rows that see no key are 0, NaN stays NaN
         if plan.out_rows is None:
             out.copy_(o.reshape(b, hq, d))
+            if lse is not None:
+                lse.copy_(row_lse.reshape(b, hq))
         else:
             out.copy_(o.transpose(1, 2).reshape(b * lq, hq, d).index_select(0, plan.out_rows))
+            if lse is not None:
+                lse.copy_(row_lse.transpose(1, 2).reshape(b * lq, hq).index_select(0, plan.out_rows))
 
-    def _explicit(self, q, keys, values, bias) -> torch.Tensor:
-        """Explicit scores, for the logit soft cap and attention sinks, then the masked softmax.
-        q: [B, Hq, Lq, D] float32; keys/values: [B, Hkv, Lk, D]; bias: [B, 1|Hq, Lq, Lk].
-        Returns [B, Hq, Lq, D].
+    def _no_key_lse(self, lse: torch.Tensor) -> torch.Tensor:
+        """The LSE of rows that see no key, like `lse` [Tc, Hq]: the sink's, or -inf."""
+        if self.sinks is None:
+            return torch.full_like(lse, float("-inf"))
+        return self.sinks_on(lse.device).float().expand_as(lse)
+
+    def _explicit(self, q, keys, values, bias) -> tuple[torch.Tensor, torch.Tensor]:
+        """Explicit scores, for the logit soft cap, attention sinks and the LSE, then the masked
+        softmax. q: [B, Hq, Lq, D] float32; keys/values: [B, Hkv, Lk, D]; bias: [B, 1|Hq, Lq, Lk].
+        Returns (out [B, Hq, Lq, D], lse [B, Hq, Lq]): lse the natural log of each row's softmax
+        denominator, -inf where the row sees no key (and has no sink).
 
         A sink is one more score per query head, `sinks[h]` as it is (after the soft cap, which
         it does not pass through), whose value is zero: it joins the softmax's denominator only
@@ -178,12 +194,13 @@ class TorchImpl(AttentionImpl):
         if self.logits_soft_cap is not None:
             s = torch.tanh(s / self.logits_soft_cap) * self.logits_soft_cap
         s = s + (bias.unsqueeze(1) if bias.shape[1] == 1 else bias.unflatten(1, (hkv, -1)))
-        if self.sinks is None:
-            p = torch.softmax(s, dim=-1)
-        else:
+        if self.sinks is not None:
             sink = self.sinks_on(q.device).float().view(1, hkv, -1, 1, 1).expand(*s.shape[:-1], 1)
-            p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
-        return torch.matmul(p, values.unsqueeze(2)).flatten(1, 2)
+            s = torch.cat([s, sink], dim=-1)
+        p = torch.softmax(s, dim=-1)
+        if self.sinks is not None:
+            p = p[..., :-1]
+        return torch.matmul(p, values.unsqueeze(2)).flatten(1, 2), torch.logsumexp(s, dim=-1).flatten(1, 2)
 
     def _plan(self, call: AttendCall, t: int, block_size: int, num_kv_rows: int) -> _Plan:
         query_start_loc, causal = call.query_start_loc, call.causal
@@ -213,8 +230,12 @@ class TorchImpl(AttentionImpl):
         tail_from = min(tail_from, lk)
         if causal:
             visible = visible & (k_pos <= q_pos[..., None])  # [B, Lq, Lk]
-        if self.sliding_window is not None:
-            visible = visible & (k_pos > q_pos[..., None] - self.sliding_window)
+        if self.window is not None:  # FlashAttention's (left, right), -1 unbounded
+            left, right = self.window
+            if left >= 0:
+                visible = visible & (k_pos >= q_pos[..., None] - left)
+            if right >= 0:
+                visible = visible & (k_pos <= q_pos[..., None] + right)
         visible = visible.expand(b, lq, lk)
         bias = torch.zeros(b, 1, lq, lk, device=dev).masked_fill_(~visible[:, None], float("-inf"))
         rel_pos = None

@@ -38,7 +38,7 @@ def unavailable_reasons() -> list[str]:
 
 class TritonBackend(AttentionBackend):
     # Head sizes are padded to the next power of two inside the kernels.
-    capabilities = Capabilities(head_sizes=tuple(range(16, 257, 8)))
+    capabilities = Capabilities(head_sizes=tuple(range(16, 257, 8)), sinks=True, two_sided_window=True)
 
     @staticmethod
     def get_name() -> str:
@@ -153,7 +153,7 @@ class TritonImpl(AttentionImpl):
         # read them; a fresh prompt's producer; else `store_kv` first, inside the launch).
         return len(calls) == 1 and calls[0].source is Source.CACHE and calls[0].step_k is not None
 
-    def _attend(self, q, out, call: AttendCall, kv_cache, scales) -> None:
+    def _attend(self, q, out, call: AttendCall, kv_cache, scales, lse=None) -> None:
         KVWrite, launch_facts, plan_attention, run_plan = _kernels()
         k, v, tables, kv_start_loc = call.k, call.v, call.block_tables, call.kv_start_loc
         # A step's decodes follow its prefills (builder.py), one query each: the launch gives them
@@ -165,17 +165,19 @@ class TritonImpl(AttentionImpl):
             k, v, tables, kv_start_loc = call.step_k, call.step_v, None, call.query_start_loc
         paged = kv_start_loc is None
         profile, workspace = self._on_device(q.device)
+        sinks = self.sinks_on(q.device)
         facts = launch_facts(
             profile, q, k, v, num_seqs=call.query_start_loc.shape[0] - 1,
             max_query_len=call.max_query_len, max_seq_len=call.max_kv_len, num_decodes=num_decodes,
-            max_decode_query_len=1, paged=paged, causal=call.causal, window=self.sliding_window is not None,
-            alibi=self.alibi_slopes is not None, soft_cap=self.logits_soft_cap is not None, lse=False,
-            split_limit=workspace.splits_for(q.shape[0], self.num_heads, self.head_size), write=write)
+            max_decode_query_len=1, paged=paged, causal=call.causal, window=self.window is not None,
+            alibi=self.alibi_slopes is not None, soft_cap=self.logits_soft_cap is not None, lse=lse is not None,
+            split_limit=workspace.splits_for(q.shape[0], self.num_heads, self.head_size), write=write,
+            sinks=sinks is not None)
         run_plan(plan_attention(facts), q, k, v, out, query_start_loc=call.query_start_loc, seq_lens=call.kv_lens,
-                 block_tables=tables, kv_start_loc=kv_start_loc, scale=self.scale,
-                 sliding_window=self.sliding_window, alibi_slopes=self.alibi_slopes_on(q.device),
-                 soft_cap=self.logits_soft_cap, k_scale=scales.k if scales else 1.0,
-                 v_scale=scales.v if scales else 1.0, lse=None, workspace=workspace, write=write)
+                 block_tables=tables, kv_start_loc=kv_start_loc, scale=self.scale, window=self.window,
+                 alibi_slopes=self.alibi_slopes_on(q.device), soft_cap=self.logits_soft_cap, sinks=sinks,
+                 k_scale=scales.k if scales else 1.0, v_scale=scales.v if scales else 1.0, lse=lse,
+                 workspace=workspace, write=write)
 
 
 @functools.lru_cache(maxsize=None)

@@ -25,8 +25,10 @@ triton_splitKF (its FA3 and CuTe operators are not built). tests/backend_xformer
 biases on the CPU against xFormers' own `materialize()` and the dense oracle, and the routing of
 each part on CUDA.
 
-A logit soft cap (which the seeds' backend refused: `memory_efficient_attention` has none) runs
-every part on our kernels, so the backend computes the same attention whatever the provider.
+A logit soft cap (which the seeds' backend refused: `memory_efficient_attention` has none),
+attention sinks and windows of bidirectional attention (its operators have neither) run every
+part on our kernels, and so do calls that ask for the LSE (`memory_efficient_attention_forward`
+returns none), so the backend computes the same attention whatever the provider.
 """
 
 from __future__ import annotations
@@ -143,21 +145,22 @@ class XFormersImpl(triton_backend.TritonImpl):
         super().__init__(*args, **kwargs)
         _log_provider()
 
-    def _attend(self, q, out, call: AttendCall, kv_cache, scales) -> None:
+    def _attend(self, q, out, call: AttendCall, kv_cache, scales, lse=None) -> None:
         fmha = xformers_fmha.choose(q.device.type)
-        if fmha.module is not None:
+        if fmha.module is not None and lse is None:  # the LSE: our kernel (see the module docstring)
             plan = self._plan(fmha, q, call, scales)
             if plan.op is not None:
                 self._attend_xformers(fmha, q, out, call, plan)
                 return
-        super()._attend(q, out, call, kv_cache, scales)  # our paged-attention kernel
+        super()._attend(q, out, call, kv_cache, scales, lse)  # our paged-attention kernel
 
     # ------------------------------------------------------------------ xFormers' operators
 
     def _plan(self, fmha: xformers_fmha.Fmha, q, call: AttendCall, scales) -> _XPlan:
         md = call.md
-        key = (self.attn_type, call.source, call.causal, call.rows.start, q.dtype, self.sliding_window,
+        key = (self.attn_type, call.source, call.causal, call.rows.start, q.dtype, self.window,
                self.num_heads, self.num_kv_heads, self.head_size, scales is not None,
+               self.logits_soft_cap is not None, self.sinks is not None,
                id(self) if self.alibi_slopes is not None else None)  # ALiBi: each layer its own slopes
         plans = md.xformers_plans if isinstance(md, XFormersMetadata) else {}
         if key not in plans:
@@ -181,6 +184,11 @@ class XFormersImpl(triton_backend.TritonImpl):
             return _XPlan(None, why_not="a CUDA graph's metadata: xFormers' biases hold host lengths")
         if self.logits_soft_cap is not None:
             return _XPlan(None, why_not="a logit soft cap: xFormers' operators have none")
+        if self.sinks is not None:
+            return _XPlan(None, why_not="attention sinks: xFormers' operators have none")
+        if self.window is not None and not call.causal:
+            return _XPlan(None, why_not="a window of bidirectional attention: xFormers' biases here are causal")
+        sliding_window = None if self.window is None else self.window[0] + 1  # causal: (W - 1, 0)
         k, v, paged = self._keys(call)
         q_lens = call.kv_lens_host if self.attn_type is AttentionType.ENCODER else md.query_lens
         if min(call.kv_lens_host, default=0) == 0:
@@ -189,21 +197,21 @@ class XFormersImpl(triton_backend.TritonImpl):
         if not fmha.runs(role):
             return _XPlan(None, why_not=f"no operator {xformers_fmha.WHERE[role]} runs here")
         if paged:
-            if scales is not None or self.sliding_window is not None or self.alibi_slopes is not None:
+            if scales is not None or self.window is not None or self.alibi_slopes is not None:
                 return _XPlan(None, why_not="FP8 cache, sliding window or ALiBi over the paged cache")
             bias = xformers_bias.paged(xb, q_lens, call.kv_lens_host, call.block_tables, md.block_size,
                                        causal=call.causal)
             return self._first_taker(fmha, role, q, k, v, bias)
         if self.alibi_slopes is None:
             bias = xformers_bias.block_diagonal(xb, q_lens, call.kv_lens_host, causal=call.causal,
-                                                sliding_window=self.sliding_window if call.causal else None,
+                                                sliding_window=sliding_window,
                                                 device=q.device)
             return self._first_taker(fmha, role, q, k, v, bias)
         if not call.causal:
             return _XPlan(None, why_not="ALiBi without causality")
         per_seq, start = [], 0
         biases = xformers_bias.alibi(xb, self.alibi_slopes_on(q.device), q_lens, num_kv_heads=self.num_kv_heads,
-                                     sliding_window=self.sliding_window, dtype=q.dtype)
+                                     sliding_window=sliding_window, dtype=q.dtype)
         for b, n in zip(biases, q_lens):
             per_seq.append((b, slice(start, start + n), slice(start, start + n)))
             start += n

@@ -69,6 +69,7 @@ class LaunchFacts(NamedTuple):
     tile: tuple | None = None  # forced (tuning)
     decode_tile: tuple | None = None
     num_splits: int | None = None
+    sinks: bool = False  # attention sinks (`paged_attention`'s `sinks`)
 
 
 @dataclass(eq=False)

@@ -19,6 +19,20 @@ def _tanh(x):
 
 
 @triton.jit
+def _add_sink(acc, l_i, m_i, sinks_ptr, head, row_ok):
+    """The attention sink of each row's head joins its online-softmax state: one more score,
+    `sinks[head]` (natural-log units, as given: not scaled or capped), whose value is 0, so it
+    adds to the sum `l_i` only. State in base 2 (m_i the running max of score * log2(e));
+    m_i = -inf (no key seen) leaves acc = 0 and l_i = 2^0 = 1: the row's output is 0 and its
+    LSE the sink. A sink of -inf changes nothing."""
+    sink = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+    m_new = tl.maximum(m_i, sink)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    return acc * alpha[:, None], l_i * alpha + tl.exp2(sink - m_safe), m_new
+
+
+@triton.jit
 def _fp16_operand(q):
     """bf16 `q` as an fp16 operand for FP8 keys and values, which convert to fp16 natively.
     Scaled by 2^e so that its largest magnitude lands in [2^15, 2^16): every bf16 value scales
@@ -50,7 +64,7 @@ def _load_tile(ptrs, n_ok, d_ok, MASK: tl.constexpr, EVEN_D: tl.constexpr, EVICT
 @triton.jit
 def _attend_tiles(
     acc, l_i, m_i, q, j_start, j_end,
-    k_ptr, v_ptr, bt_row_ptr, kv_row0, kvh, qk_scale, soft_cap, slope, q_pos, window,
+    k_ptr, v_ptr, bt_row_ptr, kv_row0, kvh, qk_scale, soft_cap, slope, q_pos, win_left, win_right,
     key_lo, key_hi,
     stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -61,6 +75,8 @@ def _attend_tiles(
 ):
     """Online-softmax update over key tiles [j_start, j_end) (units of BLOCK_N keys).
     MASK: apply per-row causal/window/length masks; loads are masked to [key_lo, key_hi).
+    USE_WINDOW: a row at position p sees keys in [p - win_left, p + win_right] (the right
+    bound only without CAUSAL, where the causal mask is tighter).
     STAGES: the loop's software-pipeline depth (None: the launch's num_stages)."""
     d = tl.arange(0, HEAD_PAD)
     d_ok = d < HEAD_SIZE
@@ -106,7 +122,9 @@ def _attend_tiles(
                 # first key when a sequence has more queries than keys: cross attention)
                 keep = (n < key_hi)[None, :]
             if USE_WINDOW:
-                keep = keep & (n[None, :] > q_pos[:, None] - window)
+                keep = keep & (n[None, :] >= q_pos[:, None] - win_left)
+                if not CAUSAL:
+                    keep = keep & (n[None, :] <= q_pos[:, None] + win_right)
             s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -131,8 +149,8 @@ def _attend_tiles(
 def _attend_program(
     b, q_begin, q_len, q0, kvh, split,
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_out_ptr, part_stats_ptr,
-    seq_lens_ptr, block_tables_ptr, kv_start_loc_ptr, alibi_slopes_ptr, k_scale_ptr, v_scale_ptr,
-    sm_scale, soft_cap, window, num_splits, split_min_tiles,
+    seq_lens_ptr, block_tables_ptr, kv_start_loc_ptr, alibi_slopes_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr,
+    sm_scale, soft_cap, win_left, win_right, num_splits, split_min_tiles,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -148,7 +166,7 @@ def _attend_program(
     STAGES: tl.constexpr, EVICT: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, FP8_KV: tl.constexpr, PAGED: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, FP8_KV: tl.constexpr, PAGED: tl.constexpr,
     WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     STORE_NEW: tl.constexpr, NEW_ROWS: tl.constexpr, FP8_MAX: tl.constexpr,
     FP8_MANTISSA_BITS: tl.constexpr, FP8_MIN_EXP: tl.constexpr, INTERPRETED: tl.constexpr,
@@ -191,7 +209,8 @@ def _attend_program(
     if USE_ALIBI:
         slope = tl.load(alibi_slopes_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
 
-    # Key range of this query tile, then its unmasked middle, in units of BLOCK_N keys.
+    # Key range of this query tile (the union of its rows' ranges), then its unmasked middle
+    # (the keys every row sees), in units of BLOCK_N keys.
     p_first = seq_len - q_len + q0
     p_last = seq_len - q_len + tl.minimum(q0 + BLOCK_Q, q_len) - 1
     if CAUSAL:
@@ -203,8 +222,11 @@ def _attend_program(
     key_lo = p_first * 0
     full_lo = key_lo
     if USE_WINDOW:
-        key_lo = tl.maximum(p_first - window + 1, 0)
-        full_lo = tl.maximum(p_last - window + 1, 0)
+        key_lo = tl.maximum(p_first - win_left, 0)
+        full_lo = tl.maximum(p_last - win_left, 0)
+        if not CAUSAL:  # a two-sided window also ends win_right keys past each row
+            key_hi = tl.minimum(p_last + win_right + 1, seq_len)
+            full_hi = tl.minimum(p_first + win_right + 1, seq_len)
     j_lo = key_lo // BLOCK_N
     j_hi = tl.cdiv(key_hi, BLOCK_N)
     j_full_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N), j_lo), j_hi)
@@ -238,26 +260,28 @@ def _attend_program(
     # masked head (window edge), unmasked middle, masked tail (causal diagonal / length)
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, s_lo, tl.minimum(j_full_lo, s_hi),
-        k_ptr, v_ptr, bt_row_ptr, kv_row0, kvh, qk_scale, soft_cap, slope, q_pos, window,
+        k_ptr, v_ptr, bt_row_ptr, kv_row0, kvh, qk_scale, soft_cap, slope, q_pos, win_left, win_right,
         key_lo, key_hi, stride_kb, stride_ks, stride_kh, stride_kd,
         stride_vb, stride_vs, stride_vh, stride_vd,
         HEAD_SIZE, HEAD_PAD, BLOCK_N, BLOCK_SIZE, True, CAUSAL, USE_WINDOW, USE_ALIBI,
         USE_SOFTCAP, PAGED, UPCAST, IEEE, STAGES, EVICT)
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, tl.maximum(s_lo, j_full_lo), tl.minimum(s_hi, j_full_hi),
-        k_ptr, v_ptr, bt_row_ptr, kv_row0, kvh, qk_scale, soft_cap, slope, q_pos, window,
+        k_ptr, v_ptr, bt_row_ptr, kv_row0, kvh, qk_scale, soft_cap, slope, q_pos, win_left, win_right,
         key_lo, key_hi, stride_kb, stride_ks, stride_kh, stride_kd,
         stride_vb, stride_vs, stride_vh, stride_vd,
         HEAD_SIZE, HEAD_PAD, BLOCK_N, BLOCK_SIZE, False, CAUSAL, USE_WINDOW, USE_ALIBI,
         USE_SOFTCAP, PAGED, UPCAST, IEEE, STAGES, EVICT)
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, tl.maximum(s_lo, j_full_hi), s_hi,
-        k_ptr, v_ptr, bt_row_ptr, kv_row0, kvh, qk_scale, soft_cap, slope, q_pos, window,
+        k_ptr, v_ptr, bt_row_ptr, kv_row0, kvh, qk_scale, soft_cap, slope, q_pos, win_left, win_right,
         key_lo, key_hi, stride_kb, stride_ks, stride_kh, stride_kd,
         stride_vb, stride_vs, stride_vh, stride_vd,
         HEAD_SIZE, HEAD_PAD, BLOCK_N, BLOCK_SIZE, True, CAUSAL, USE_WINDOW, USE_ALIBI,
         USE_SOFTCAP, PAGED, UPCAST, IEEE, STAGES, EVICT)
 
+    if USE_SINKS and not SPLIT:  # split launches: the reduction adds the sink, once (split_kv.py)
+        acc, l_i, m_i = _add_sink(acc, l_i, m_i, sinks_ptr, head, row_ok)
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     if FP8_KV:

@@ -31,7 +31,12 @@ mbarrier. Output normalised by the softmax sum, stored in 16-byte rows; optional
 
 Scope (everything else takes the portable kernel; `supported` says which): 16-bit queries and
 caches of the same dtype, head sizes 64 and 128 over pages (128 over contiguous keys), causal or
-not, no sliding window, ALiBi, soft cap or FP8, unsplit; Triton 3.6 on sm_90.
+not, no sliding window, ALiBi, soft cap, attention sinks or FP8, unsplit; Triton 3.6 on sm_90.
+Attention sinks route to the portable kernel rather than into these epilogues: the sink is one
+term in the final normalisation (`attention_program._add_sink`), but three epilogues (this
+kernel's, the warp-specialised kernel's rows and its swapped decode columns) would each need
+it, and Gluon code is only compiled on the GPU machine's Triton; the LSE these kernels write
+is the same as the portable kernel's.
 `PAGEDATTN_GLUON=0` turns it off.
 """
 
@@ -140,7 +145,7 @@ def takes(profile: DeviceProfile, f) -> bool:
     return (f.gluon_layout and f.head_size in HEAD_SIZES and (f.paged or f.head_size in CONTIGUOUS_HEAD_SIZES)
             and next_pow2(f.max_query_len * group) > 64 and group <= 16
             and f.q_dtype in (torch.float16, torch.bfloat16) and f.kv_dtype == f.q_dtype
-            and not (f.window or f.alibi or f.soft_cap) and f.num_splits in (None, 1)
+            and not (f.window or f.alibi or f.soft_cap or f.sinks) and f.num_splits in (None, 1)
             and unavailable_reason(profile) is None)
 
 

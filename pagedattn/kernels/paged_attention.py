@@ -4,7 +4,9 @@ cached prefix and mixed batches, in one launch.
 Semantics (the library's reference): query token i of sequence b (0 <= i < query_len_b) sits at
 absolute position p = seq_len_b - query_len_b + i (bottom-right aligned). Score s = scale * q.k;
 soft cap c: s = c * tanh(s / c); ALiBi: s += slope_h * (key_pos - p); causal: keys <= p;
-sliding window W: keys > p - W; non-causal: all keys < seq_len_b. Softmax in float32.
+sliding window W: keys > p - W; non-causal: all keys < seq_len_b, within a two-sided window
+(left, right) keys in [p - left, p + right]. Softmax in float32, over the keys and, with
+attention sinks, one more score per query head, `sinks[h]`, whose value is 0.
 
 Algorithm (FlashAttention-2 with GQA packing and FlashDecoding splits):
 - Grid (query tiles x KV heads, splits), KV heads fastest. Sequence b owns query tiles
@@ -26,20 +28,23 @@ Algorithm (FlashAttention-2 with GQA packing and FlashDecoding splits):
   heads that share its KV head (row r = token r // GROUP, head r % GROUP), so every key/value
   tile is loaded once and goes through one `tl.dot` for all of them.
 - Key range: causal programs stop after their last token's position, a sliding window starts
-  the loop at the first tile any row needs (earlier blocks are never touched). The range is cut
-  into an unmasked middle (every row sees every key) and masked edges, so the hot loop carries
-  no mask arithmetic. Keys are gathered through the block table, with int64 addresses; with
+  the loop at the first tile any row needs (earlier blocks are never touched), a two-sided
+  window also stops it after the last key any row sees. The range is cut into an unmasked
+  middle (every row sees every key) and masked edges, so the hot loop carries no mask
+  arithmetic. Keys are gathered through the block table, with int64 addresses; with
   `kv_start_loc` the keys are rows of contiguous [total_kv, Hkv, D] tensors instead.
-- Online softmax in base 2 (log2(e) folded into the score scale); FP8 caches are read raw and
-  converted to the query dtype (to fp16 for bf16 queries, which are scaled by a power of two
-  into fp16's range: FP8 converts to fp16 natively, to bf16 only through fp16 or fp32), with
-  k_scale folded into the score scale and v_scale applied to the normalised output.
+- Online softmax in base 2 (log2(e) folded into the score scale); an attention sink joins the
+  state once, in the epilogue (`attention_program._add_sink`), or in the reduction of a split
+  launch; the LSE (natural log) includes it. FP8 caches are read raw and converted to the
+  query dtype (to fp16 for bf16 queries, which are scaled by a power of two into fp16's range:
+  FP8 converts to fp16 natively, to bf16 only through fp16 or fp32), with k_scale folded into
+  the score scale and v_scale applied to the normalised output.
 - Split-KV: with num_splits > 1 each split takes a contiguous share of the key tiles and writes
   (normalised output, LSE) to the caller's `SplitKVWorkspace`; `reduce_splits` merges them.
   The count is a runtime argument: one compiled variant serves every count (1 to 128).
 - On an H100/H200 a prefill-like launch over pages (mixed ones included), or one over
   contiguous keys at head size 128, that fits `hopper_prefill.takes` (16-bit, head size
-  64/128, no window, ALiBi, soft cap or FP8) runs the Gluon kernel of `hopper_prefill.py`
+  64/128, no window, ALiBi, soft cap, sinks or FP8) runs the Gluon kernel of `hopper_prefill.py`
   instead: asynchronous warpgroup MMAs, warp-specialised at head size 128, about 1.5x this loop
   over pages (docs/PERF.md, "Paged causal prefill"; 283c65b and 3b17081, 2026-11-26). A forced
   `tile` keeps this kernel.
@@ -81,13 +86,14 @@ from .store_kv import KVWrite, check_store, fp8_constants, launch_store_kv
 # (sequences, tiles, decodes and where they start in a mixed launch, splits): the block table's
 # row stride (its width) and the split scratch's outer strides (an unsplit launch passes
 # `num_seqs` there). The builder aligns its views, so pointers keep one class too.
-@triton.jit(do_not_specialize=["window", "num_seqs", "num_tiles", "num_decodes", "mix_lead", "num_splits",
-                               "split_min_tiles", "stride_bt", "stride_po_s", "stride_ps_s"])
+@triton.jit(do_not_specialize=["window_left", "window_right", "num_seqs", "num_tiles", "num_decodes", "mix_lead",
+                               "num_splits", "split_min_tiles", "stride_bt", "stride_po_s", "stride_ps_s"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_out_ptr, part_stats_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, kv_start_loc_ptr,
-    alibi_slopes_ptr, k_scale_ptr, v_scale_ptr,
-    sm_scale, soft_cap, window, num_seqs, num_tiles, num_decodes, mix_lead, num_splits, split_min_tiles,
+    alibi_slopes_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr,
+    sm_scale, soft_cap, window_left, window_right, num_seqs, num_tiles, num_decodes, mix_lead, num_splits,
+    split_min_tiles,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -105,7 +111,7 @@ def _paged_attention_kernel(
     DEC_STAGES: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, ONE_TILE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, FP8_KV: tl.constexpr, PAGED: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, FP8_KV: tl.constexpr, PAGED: tl.constexpr,
     WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
     STORE_NEW: tl.constexpr, NEW_ROWS: tl.constexpr, FP8_MAX: tl.constexpr,
     FP8_MANTISSA_BITS: tl.constexpr, FP8_MIN_EXP: tl.constexpr, INTERPRETED: tl.constexpr,
@@ -141,8 +147,8 @@ def _paged_attention_kernel(
         _attend_program(
             b, q_begin, q_len, b * 0, kvh, split,
             q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_out_ptr, part_stats_ptr,
-            seq_lens_ptr, block_tables_ptr, kv_start_loc_ptr, alibi_slopes_ptr, k_scale_ptr, v_scale_ptr,
-            sm_scale, soft_cap, window, num_splits, split_min_tiles,
+            seq_lens_ptr, block_tables_ptr, kv_start_loc_ptr, alibi_slopes_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr,
+            sm_scale, soft_cap, window_left, window_right, num_splits, split_min_tiles,
             stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
             stride_vb, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
             stride_lt, stride_lh, stride_po_s, stride_po_t, stride_po_h, stride_po_d,
@@ -151,7 +157,7 @@ def _paged_attention_kernel(
             stride_nk_t, stride_nk_h, stride_nk_d, stride_nv_t, stride_nv_h, stride_nv_d,
             HEAD_SIZE, HEAD_PAD, GROUP, DEC_BLOCK_Q, DEC_BLOCK_M, DEC_BLOCK_N,
             DEC_STAGES, "evict_first",  # streamed once: keep the prefill's keys in L2 instead
-            BLOCK_SIZE, SPLIT, CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, FP8_KV, PAGED,
+            BLOCK_SIZE, SPLIT, CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, USE_SINKS, FP8_KV, PAGED,
             WRITE_LSE, UPCAST, IEEE, STORE_NEW, NEW_ROWS, FP8_MAX, FP8_MANTISSA_BITS, FP8_MIN_EXP,
             INTERPRETED)
     else:
@@ -176,8 +182,8 @@ def _paged_attention_kernel(
         _attend_program(
             b, q_begin, q_len, q0, kvh, split,
             q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_out_ptr, part_stats_ptr,
-            seq_lens_ptr, block_tables_ptr, kv_start_loc_ptr, alibi_slopes_ptr, k_scale_ptr, v_scale_ptr,
-            sm_scale, soft_cap, window, num_splits, split_min_tiles,
+            seq_lens_ptr, block_tables_ptr, kv_start_loc_ptr, alibi_slopes_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr,
+            sm_scale, soft_cap, window_left, window_right, num_splits, split_min_tiles,
             stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
             stride_vb, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
             stride_lt, stride_lh, stride_po_s, stride_po_t, stride_po_h, stride_po_d,
@@ -185,7 +191,7 @@ def _paged_attention_kernel(
             new_k_ptr, new_v_ptr, new_slot_ptr,
             stride_nk_t, stride_nk_h, stride_nk_d, stride_nv_t, stride_nv_h, stride_nv_d,
             HEAD_SIZE, HEAD_PAD, GROUP, BLOCK_Q, BLOCK_M, BLOCK_N, None, "",
-            BLOCK_SIZE, SPLIT, CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, FP8_KV, PAGED,
+            BLOCK_SIZE, SPLIT, CAUSAL, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, USE_SINKS, FP8_KV, PAGED,
             WRITE_LSE, UPCAST, IEEE, STORE_NEW, NEW_ROWS, FP8_MAX, FP8_MANTISSA_BITS, FP8_MIN_EXP,
             INTERPRETED)
 
@@ -203,9 +209,10 @@ def paged_attention(
     max_seq_len: int,
     scale: float,
     causal: bool = True,
-    sliding_window: int | None = None,
+    sliding_window: int | tuple[int, int] | None = None,
     alibi_slopes: torch.Tensor | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
     k_scale: float | torch.Tensor = 1.0,
     v_scale: float | torch.Tensor = 1.0,
     lse: torch.Tensor | None = None,
@@ -233,10 +240,15 @@ def paged_attention(
         max_query_len must be >= every sequence's query length (a decode-like launch gives
         each sequence one query tile), max_seq_len only steers speed.
     scale: score scale. causal: bottom-right aligned causal mask (False: all keys < seq_len).
-    sliding_window: W keys up to and including the query's own position (causal only).
+    sliding_window: W keys up to and including the query's own position (causal only), or
+        FlashAttention's `window_size` (left, right): keys in [p - left, p + right], -1
+        unbounded on that side; right > 0 only with causal=False (causal: 0 or -1).
     alibi_slopes: [Hq] float32. soft_cap: c in c * tanh(s / c).
+    sinks: [Hq] float32/float16/bfloat16, unit stride: attention sinks, one more score per
+        query head in the softmax's denominator (its value is 0), not scaled or capped.
     k_scale, v_scale: 0-dim float32 device tensors (python floats cost an allocation); FP8 only.
-    lse: optional [T, Hq] float32 output, natural-log log-sum-exp of each row's scores.
+    lse: optional [T, Hq] float32 output, natural-log log-sum-exp of each row's scores (and of
+        its head's sink): -inf for a row that sees no key and has no sink.
     workspace: split-KV scratch; without it (or when it holds no 2 splits of T tokens) the
         launch is unsplit.
     kv_start_loc: [B+1] int32; sequence b's keys are rows kv_start_loc[b] + (0..seq_lens[b]-1).
@@ -308,9 +320,10 @@ def paged_attention(
         block_size = 1
         bt_arg, bt_stride, kv_start_arg = seq_lens, 0, kv_start_loc
         kv_strides = (0, *k_cache.stride(), 0, *v_cache.stride())
-    if sliding_window is not None:
-        check(causal, "sliding_window with causal=False", "causal=True", "causal=False")
-        check(sliding_window >= 1, "sliding_window", ">= 1", sliding_window)
+    window = window_size(sliding_window, causal)
+    if sinks is not None:
+        check_tensor(sinks, "sinks", ndim=1, dtypes=FLOAT_DTYPES, device=device)
+        check(sinks.shape[0] == num_heads, "sinks.shape[0]", num_heads, sinks.shape[0])
     if alibi_slopes is not None:
         check_tensor(alibi_slopes, "alibi_slopes", ndim=1, dtypes=(torch.float32,),
                      device=device)
@@ -323,7 +336,7 @@ def paged_attention(
         check(lse.shape == query.shape[:2], "lse.shape", tuple(query.shape[:2]),
               tuple(lse.shape))
     for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
-                    ("kv_start_loc", kv_start_loc), ("alibi_slopes", alibi_slopes)):
+                    ("kv_start_loc", kv_start_loc), ("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if t is not None:
             check(t.stride(0) == 1 or t.shape[0] <= 1, f"{name}.stride(0)", 1, t.stride(0))
     if write is not None:
@@ -341,13 +354,13 @@ def paged_attention(
               f"max_splits {workspace.max_splits})")
     facts = launch_facts(profile, query, k_cache, v_cache, num_seqs=num_seqs, max_query_len=max_query_len,
                          max_seq_len=max_seq_len, num_decodes=num_decodes, max_decode_query_len=max_decode_query_len,
-                         paged=paged, causal=causal, window=sliding_window is not None,
+                         paged=paged, causal=causal, window=window is not None,
                          alibi=alibi_slopes is not None, soft_cap=soft_cap is not None, lse=lse is not None,
                          split_limit=split_limit, write=write, tile=tile, decode_tile=decode_tile,
-                         num_splits=num_splits)
+                         num_splits=num_splits, sinks=sinks is not None)
     run_plan(plan_attention(facts), query, k_cache, v_cache, out, query_start_loc=query_start_loc,
              seq_lens=seq_lens, block_tables=block_tables, kv_start_loc=kv_start_loc, scale=scale,
-             sliding_window=sliding_window, alibi_slopes=alibi_slopes, soft_cap=soft_cap, k_scale=k_scale,
+             window=window, alibi_slopes=alibi_slopes, soft_cap=soft_cap, sinks=sinks, k_scale=k_scale,
              v_scale=v_scale, lse=lse, workspace=workspace, write=write)
     return out
 
@@ -375,7 +388,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def launch_facts(profile: DeviceProfile, query, k_cache, v_cache, *, num_seqs: int, max_query_len: int,
                  max_seq_len: int, num_decodes: int, max_decode_query_len: int, paged: bool, causal: bool,
                  window: bool, alibi: bool, soft_cap: bool, lse: bool, split_limit: int, write: KVWrite | None,
-                 tile=None, decode_tile=None, num_splits=None) -> LaunchFacts:
+                 tile=None, decode_tile=None, num_splits=None, sinks: bool = False) -> LaunchFacts:
     """The `LaunchFacts` of a launch over these tensors (query [T, Hq, D]; the caches, or the
     contiguous key/value rows with `paged` False), with the options as host values."""
     store = write is not None and not paged  # contiguous rows into pages of write's block size
@@ -388,14 +401,15 @@ def launch_facts(profile: DeviceProfile, query, k_cache, v_cache, *, num_seqs: i
         k_cache.shape[-2], head_size, query.dtype, k_cache.dtype, k_cache.shape[1] if paged else 1, paged,
         bool(causal), window, alibi, soft_cap, lse, split_limit, write.k_cache.shape[1] if store else 0,
         write is not None and paged, gluon_layout, store and gluon_layout and hopper_prefill.stores_rows(query, write),
-        (*k_cache.stride(), *v_cache.stride()), tile, decode_tile, num_splits)
+        (*k_cache.stride(), *v_cache.stride()), tile, decode_tile, num_splits, sinks)
 
 
 def run_plan(plan: AttentionPlan, query, k_cache, v_cache, out, *, query_start_loc, seq_lens, block_tables,
-             kv_start_loc, scale, sliding_window, alibi_slopes, soft_cap, k_scale, v_scale, lse, workspace,
+             kv_start_loc, scale, window, alibi_slopes, soft_cap, sinks, k_scale, v_scale, lse, workspace,
              write) -> None:
     """Launch `plan` over these tensors: arguments as `paged_attention` takes them, checked, of
-    the plan's facts (the backends call this with a plan of the step). Launches only."""
+    the plan's facts (the backends call this with a plan of the step), the window as
+    `window_size` gives it. Launches only."""
     f = plan.facts
     if plan.store is Store.FIRST:
         launch_store_kv(*write, k_scale, v_scale)  # rows to pages, checked
@@ -433,15 +447,46 @@ def run_plan(plan: AttentionPlan, query, k_cache, v_cache, out, *, query_start_l
            query, k_cache, v_cache, out, lse_arg, part_out, part_stats,
            query_start_loc, seq_lens, bt_arg, kv_start_arg,
            alibi_slopes if alibi_slopes is not None else seq_lens, k_scale_t, v_scale_t,
-           float(scale), float(soft_cap or 0.0), int(sliding_window or 0), plan.num_heavy, plan.num_tiles,
+           sinks if sinks is not None else seq_lens, float(scale), float(soft_cap or 0.0),
+           *_window_args(window), plan.num_heavy, plan.num_tiles,
            plan.num_mixed, plan.mix_lead, num_splits, plan.min_tiles,
            *query.stride(), *kv_strides, *out.stride(), *lse_strides, *part_strides, bt_stride,
            new_k, new_v, new_slots, *new_k.stride()[:3], *new_v.stride()[:3])
     if num_splits > 1:
-        launch_reduce_splits(workspace, num_splits, out, lse, (part_out, part_stats))
+        launch_reduce_splits(workspace, num_splits, out, lse, (part_out, part_stats), sinks)
 
 
 _NO_STRIDES = (0,) * 8  # the strides of a tensor argument the launch never reads
+_UNBOUNDED = 1 << 30  # a window side of -1: farther than any position (int32 arithmetic in the kernel)
+
+
+def window_size(sliding_window: int | tuple[int, int] | None, causal: bool) -> tuple[int, int] | None:
+    """`paged_attention`'s `sliding_window` as FlashAttention's `window_size` (left, right): keys
+    in [p - left, p + right], -1 unbounded; None for no window. An int W is (W - 1, 0), causal
+    launches only; a causal launch takes right 0 or -1 (the causal mask ends the keys at p
+    either way)."""
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, int):
+        check(causal, "sliding_window W with causal=False", "causal=True (or a (left, right) window)",
+              "causal=False")
+        check(sliding_window >= 1, "sliding_window", ">= 1", sliding_window)
+        return (sliding_window - 1, 0)
+    check(len(sliding_window) == 2 and all(isinstance(w, int) and w >= -1 for w in sliding_window),
+          "sliding_window", "an int >= 1 or (left, right) ints >= -1", sliding_window)
+    left, right = sliding_window
+    if causal:
+        check(right in (-1, 0), "sliding_window with causal=True", "right 0 or -1 (keys end at the query)",
+              sliding_window)
+        right = 0
+    return None if (left, right) == (-1, -1) or (causal and left == -1) else (left, right)
+
+
+def _window_args(window: tuple[int, int] | None) -> tuple[int, int]:
+    """The kernel's (window_left, window_right): key offsets before and after a row's position."""
+    if window is None:
+        return 0, 0
+    return tuple(_UNBOUNDED if w < 0 else w for w in window)
 
 
 def _bind_attend(plan: AttentionPlan) -> BoundKernel:
@@ -457,7 +502,7 @@ def _bind_attend(plan: AttentionPlan) -> BoundKernel:
         DEC_STAGES=dec.num_stages,
         BLOCK_SIZE=f.block_size, SPLIT=plan.num_splits > 1, ONE_TILE=plan.one_tile,
         SEARCH_STEPS=plan.search_steps,
-        CAUSAL=f.causal, USE_WINDOW=f.window, USE_ALIBI=f.alibi, USE_SOFTCAP=f.soft_cap,
+        CAUSAL=f.causal, USE_WINDOW=f.window, USE_ALIBI=f.alibi, USE_SOFTCAP=f.soft_cap, USE_SINKS=f.sinks,
         FP8_KV=f.kv_dtype in FP8_DTYPES, PAGED=f.paged, WRITE_LSE=f.lse, UPCAST=INTERPRET,
         IEEE=f.q_dtype == torch.float32, PDL=pdl, STORE_NEW=plan.store is Store.KERNEL,
         NEW_ROWS=next_pow2(tile.block_q), **fp8_constants(f.kv_dtype))

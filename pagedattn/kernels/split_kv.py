@@ -9,6 +9,9 @@ Split `s` writes its normalised partial output `o_s` (float32) and its online-so
     M = max_s m_s;  w_s = 2^(m_s - M) l_s;  out = sum_s w_s o_s / sum_s w_s;
     lse = ln 2 * (M + log2(sum_s w_s))      (all parts empty: out = 0, lse = -inf)
 
+With attention sinks the splits leave the sink out and the reduction adds it once, as one more
+part of weight 2^(sink log2(e) - M) and output 0 (`attention_program._add_sink`'s update).
+
 The state is kept as (m, l), not folded into one log-sum-exp per split: at scores near 1e5 a
 float32 LSE rounds to ~0.01, which would weigh equal splits unequally (FlashInfer's merge of
 LSEs has that error); m_s - M is exact when the splits share their maximum.
@@ -107,12 +110,12 @@ def shared_workspace(device: torch.device, num_heads: int, num_kv_heads: int,
 
 @triton.jit(do_not_specialize=["num_splits", "stride_po_s", "stride_ps_s"])  # per-step values: one variant
 def _reduce_splits_kernel(
-    part_out_ptr, part_stats_ptr, out_ptr, lse_ptr, num_splits,
+    part_out_ptr, part_stats_ptr, out_ptr, lse_ptr, sinks_ptr, num_splits,
     stride_po_s, stride_po_t, stride_po_h, stride_po_d,
     stride_ps_s, stride_ps_t, stride_ps_h, stride_ps_c,
     stride_o_t, stride_o_h, stride_o_d, stride_l_t, stride_l_h,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_BLOCK: tl.constexpr,
-    WRITE_LSE: tl.constexpr, PDL: tl.constexpr,
+    WRITE_LSE: tl.constexpr, USE_SINKS: tl.constexpr, PDL: tl.constexpr,
 ):
     """One (token, head): the splits in blocks of SPLITS_BLOCK with a running max, so up to
     MAX_SPLITS partials merge without holding them all in registers."""
@@ -143,6 +146,14 @@ def _reduce_splits_kernel(
         acc = acc * alpha + tl.sum(o * w[:, None], 0)
         w_sum = w_sum * alpha + tl.sum(w, 0)
         m = m_new
+    if USE_SINKS:  # the head's sink: a part of output 0 (see the module docstring)
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        m_new = tl.maximum(m, sink)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        acc = acc * alpha
+        w_sum = w_sum * alpha + tl.exp2(sink - m_safe)
+        m = m_new
     acc = acc / tl.where(w_sum == 0.0, 1.0, w_sum)
     tl.store(out_ptr + t * stride_o_t + h * stride_o_h + d * stride_o_d,
              acc.to(out_ptr.dtype.element_ty), mask=d_ok)
@@ -154,9 +165,10 @@ def _reduce_splits_kernel(
 
 
 def reduce_splits(workspace: SplitKVWorkspace, num_splits: int, out: torch.Tensor,
-                  lse: torch.Tensor | None = None) -> None:
+                  lse: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> None:
     """Combine the first `num_splits` partials of `workspace` into `out` [T, Hq, D] (and `lse`
-    [T, Hq] float32 when given). `T = out.shape[0]` rows of the workspace are read."""
+    [T, Hq] float32 when given), with the attention sinks `sinks` [Hq] (any float dtype, unit
+    stride) when given. `T = out.shape[0]` rows of the workspace are read."""
     check_tensor(out, "out", ndim=3)
     num_tokens, num_heads, head_size = out.shape
     limit = workspace.splits_for(num_tokens, num_heads, head_size)
@@ -166,18 +178,24 @@ def reduce_splits(workspace: SplitKVWorkspace, num_splits: int, out: torch.Tenso
     if lse is not None:
         check_tensor(lse, "lse", ndim=2, dtypes=(torch.float32,), device=out.device)
         check(lse.shape == out.shape[:2], "lse.shape", tuple(out.shape[:2]), tuple(lse.shape))
-    launch_reduce_splits(workspace, num_splits, out, lse)
+    if sinks is not None:
+        check_tensor(sinks, "sinks", ndim=1, device=out.device)
+        check(sinks.is_floating_point() and sinks.shape[0] == num_heads and sinks.stride(0) == 1,
+              "sinks", f"a float tensor [{num_heads}] of unit stride", f"{sinks.dtype} {list(sinks.shape)}")
+    launch_reduce_splits(workspace, num_splits, out, lse, sinks=sinks)
 
 
 @functools.lru_cache(maxsize=None)
-def _reduce_kernel(head_size: int, splits_block: int, write_lse: bool, pdl: bool) -> BoundKernel:
+def _reduce_kernel(head_size: int, splits_block: int, write_lse: bool, sinks: bool, pdl: bool) -> BoundKernel:
     return bind(_reduce_splits_kernel, dict(HEAD_SIZE=head_size, HEAD_PAD=next_pow2(head_size),
-                                            SPLITS_BLOCK=splits_block, WRITE_LSE=write_lse, PDL=pdl),
+                                            SPLITS_BLOCK=splits_block, WRITE_LSE=write_lse, USE_SINKS=sinks,
+                                            PDL=pdl),
                 dict(num_warps=4, **({"launch_pdl": True} if pdl else {})))
 
 
 def launch_reduce_splits(workspace: SplitKVWorkspace, num_splits: int, out: torch.Tensor,
-                         lse: torch.Tensor | None = None, views: tuple | None = None) -> None:
+                         lse: torch.Tensor | None = None, views: tuple | None = None,
+                         sinks: torch.Tensor | None = None) -> None:
     """`reduce_splits` for arguments already checked (`paged_attention`'s plan); `views`: the
     workspace's `views(num_splits, T)` when the caller has them."""
     num_tokens, num_heads, head_size = out.shape
@@ -186,6 +204,7 @@ def launch_reduce_splits(workspace: SplitKVWorkspace, num_splits: int, out: torc
     part_out, part_stats = views if views is not None else workspace.views(num_splits, num_tokens)
     lse_arg = lse if lse is not None else part_stats[0, :, :, 0]  # never written without lse
     kernel = _reduce_kernel(head_size, min(SPLITS_BLOCK, next_pow2(num_splits)), lse is not None,
-                            use_pdl(out.device))
-    kernel((num_tokens, num_heads), part_out, part_stats, out, lse_arg, num_splits,
+                            sinks is not None, use_pdl(out.device))
+    kernel((num_tokens, num_heads), part_out, part_stats, out, lse_arg,
+           sinks if sinks is not None else lse_arg, num_splits,
            *part_out.stride(), *part_stats.stride(), *out.stride(), lse_arg.stride(0), lse_arg.stride(1))

@@ -90,6 +90,26 @@ def test_sinks_with_soft_cap_and_alibi(backend, device, model_dtype):
     sc.check(sc.run(**opts), **opts)
 
 
+@pytest.mark.parametrize("shape", shapes("single_decode", "chunked_prefill", "block_size_5"), ids=str)
+def test_sinks_shapes(backend, device, model_dtype, shape):
+    """Decode, chunks over a long cached prefix, odd pages (split launches and FP8 caches:
+    test_lse_and_merge.py)."""
+    sc = make_scenario(backend, shape, device=device, dtype=model_dtype, seed=23)
+    sinks = torch.linspace(3.0, -1.0, sc.num_heads).tolist()
+    sc.check(sc.run(sinks=sinks), sinks=sinks)
+
+
+def test_sinks_fp8_decodes(backend, device, model_dtype):
+    sc = make_scenario(backend, shapes("many_decodes")[0], device=device, dtype=model_dtype,
+                       kv_cache_dtype="fp8_e4m3", seed=24)
+    sinks = [2.0, -2.0, 0.5, 1.0]
+    on = sc.run(sinks=sinks)
+    sc.check(on, sinks=sinks)
+    sc.check_cache_writes()
+    sc.reset_cache()
+    assert_outputs_differ(on, sc.run(), 1e-3, "sinks over an FP8 cache")
+
+
 @pytest.mark.parametrize("scale", [0.3, 0.01])
 def test_custom_scale(backend, device, model_dtype, scale):
     sc = make_scenario(backend, MIXED, device=device, dtype=model_dtype, seed=16)

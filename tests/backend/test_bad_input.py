@@ -87,6 +87,10 @@ def test_heads_not_a_multiple_of_kv_heads(backend):
     (dict(kv_cache_dtype="int4"), "kv_cache_dtype"),
     (dict(sliding_window=0), "sliding_window"),
     (dict(sliding_window=-3), "sliding_window"),
+    (dict(sliding_window=(4, 3)), "sliding_window"),  # a DECODER's window cannot reach past the query
+    (dict(sliding_window=(-2, 0)), "sliding_window"),
+    (dict(sliding_window=(1, 2, 3)), "sliding_window"),
+    (dict(sliding_window=True), "sliding_window"),
     (dict(logits_soft_cap=-1.0), "logits_soft_cap"),
     (dict(alibi_slopes=[0.5, 0.25, 0.125]), "alibi"),
 ])
@@ -108,6 +112,9 @@ OPTIONS = {
               ("encoder", "cross", "attn_type")),
     "alibi+window": (dict(alibi_slopes=[0.5, 0.25, 0.125, 0.0625], sliding_window=8),
                      ("alibi", "sliding", "window")),
+    "sinks": (dict(sinks=torch.zeros(4)), ("sinks",)),
+    "two_sided_window": (dict(attn_type=pagedattn.AttentionType.ENCODER_ONLY, sliding_window=(4, 3)),
+                         ("window", "encoder")),
 }
 
 
@@ -127,14 +134,14 @@ def test_refusals_name_the_option_and_backend(backend, name):
 
 
 @pytest.mark.parametrize("attn_type,kwargs", [
-    (pagedattn.AttentionType.ENCODER, dict(sliding_window=8)),
-    (pagedattn.AttentionType.ENCODER_ONLY, dict(sliding_window=8)),
     (pagedattn.AttentionType.ENCODER_DECODER, dict(sliding_window=8)),
+    (pagedattn.AttentionType.ENCODER_DECODER, dict(sliding_window=(4, 3))),
     (pagedattn.AttentionType.ENCODER_DECODER, dict(alibi_slopes=[0.5, 0.25, 0.125, 0.0625])),
-], ids=["encoder+window", "encoder_only+window", "cross+window", "cross+alibi"])
+], ids=["cross+window", "cross+two_sided_window", "cross+alibi"])
 def test_undefined_option_combinations_raise_at_construction(backend, attn_type, kwargs):
-    """API.md defines the window (causal) and ALiBi (comparable positions) for decoder
-    self-attention only; elsewhere the option would be silently meaningless, so it is refused."""
+    """API.md defines windows and ALiBi where query and key positions compare (self-attention,
+    windows reaching past the query in bidirectional attention only); in cross-attention the
+    option would be silently meaningless, so it is refused."""
     with pytest.raises((ValueError, NotImplementedError)):
         backend.get_impl_cls()(4, 64, 0.125, 2, attn_type=attn_type, **kwargs)
 

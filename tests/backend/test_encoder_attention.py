@@ -13,7 +13,7 @@ import torch
 
 import pagedattn
 from cases import refusal_guard, skip_refused_dtype, skip_unsupported_head_size
-from oracle import assert_attention_close, dense_attention, tolerance_for
+from oracle import assert_attention_close, assert_outputs_differ, dense_attention, tolerance_for
 from paged_batch import CacheLayout, allocate_tables, make_garbage_cache, raw_bits, slot_of
 
 AT = pagedattn.AttentionType
@@ -53,9 +53,9 @@ class EncDec:
             builder = self.backend.get_builder_cls()(BS, self.device)
         return builder.build(self.seqs(decode))
 
-    def impl(self, attn_type):
-        with refusal_guard(self.backend, f"attn_type={attn_type}"):
-            return self.backend.get_impl_cls()(HQ, D, D ** -0.5, HKV, attn_type=attn_type)
+    def impl(self, attn_type, **opts):
+        with refusal_guard(self.backend, f"attn_type={attn_type} {opts}"):
+            return self.backend.get_impl_cls()(HQ, D, D ** -0.5, HKV, attn_type=attn_type, **opts)
 
 
 def _ranges(lens):
@@ -66,9 +66,9 @@ def _ranges(lens):
     return out
 
 
-def _bidirectional_ref(q, k, v, lens):
+def _bidirectional_ref(q, k, v, lens, window=None):
     return torch.cat([dense_attention(q[a:b].cpu(), k[a:b].cpu(), v[a:b].cpu(), scale=D ** -0.5,
-                                      causal=False, query_pos=torch.arange(b - a))
+                                      causal=False, query_pos=torch.arange(b - a), window=window)
                       for a, b in _ranges(lens)])
 
 
@@ -119,6 +119,29 @@ def test_encoder_only_differs_from_causal(backend, device, model_dtype):
     enc = ed.impl(AT.ENCODER_ONLY).forward(_flat(q), _flat(k), _flat(v), ed.cache.clone(), md)
     dec = ed.impl(AT.DECODER).forward(_flat(q), _flat(k), _flat(v), ed.cache.clone(), md)
     assert float((enc - dec).abs().max()) > 1e-3, "ENCODER_ONLY must not be causal"
+
+
+@pytest.mark.parametrize("window", [(3, 2), (-1, 4)], ids=str)
+@pytest.mark.parametrize("attn_type", [AT.ENCODER, AT.ENCODER_ONLY], ids=lambda t: t.name)
+def test_two_sided_window(backend, device, model_dtype, attn_type, window):
+    """Bidirectional local attention (FlashAttention's window_size=(left, right), -1 unbounded):
+    a query at position p sees its sequence's keys in [p - left, p + right]; the option moves
+    the output."""
+    ed = EncDec(backend, device, model_dtype, seed=45)
+    if attn_type is AT.ENCODER:
+        lens, md = ENC_LENS, ed.build(decode=False)
+    else:
+        lens = DEC_LENS
+        with refusal_guard(backend, f"block_size={BS}"):
+            md = backend.get_builder_cls()(BS, device).build(
+                [pagedattn.ScheduledSeq(n, n, t) for n, t in zip(lens, ed.tables)])
+    t = sum(lens)
+    q, k, v = ed.randn(t, HQ, D), ed.randn(t, HKV, D), ed.randn(t, HKV, D)
+    out = ed.impl(attn_type, sliding_window=window).forward(_flat(q), _flat(k), _flat(v), ed.cache, md)
+    assert_attention_close(out, _bidirectional_ref(q, k, v, lens, window), tolerance_for(ed.dtype), _ranges(lens),
+                           what=f"{attn_type.name} window_size={window}")
+    full = ed.impl(attn_type).forward(_flat(q), _flat(k), _flat(v), ed.cache, md)
+    assert_outputs_differ(out, full, 1e-3, f"sliding_window={window} on {attn_type.name}")
 
 
 def test_cross_attention_prefill_then_decode(backend, device, model_dtype):

@@ -6,7 +6,8 @@ What it mirrors of FA4 4.0.0b36 (`flash_attn/cute/interface.py`): q [total_q, Hq
 paged [num_pages, page, Hkv, D] with `page_table` (never with `cu_seqlens_k`) and
 `seqused_k`, or batched [B, S, Hkv, D]; float16/bfloat16 only; int32 lengths; a window of
 (left, right) with None unbounded, both negative meaning none, `causal` forcing right = 0;
-softcap 0 off; bottom-right causal alignment; returns (out, lse) with lse None unless
+softcap 0 off; `learnable_sink` [Hq] (one more logit per head in the softmax's denominator,
+float16/bfloat16/float32); bottom-right causal alignment; returns (out, lse) with lse None unless
 `return_lse`, [Hq, total_q] (varlen q) or [B, Hq, Sq] (batched q). `calls` records each call's
 keyword arguments, for the tests of the adapter's mapping.
 """
@@ -30,7 +31,11 @@ def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=Non
     calls.append(dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                       max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, page_table=page_table,
                       softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                      return_lse=return_lse, q_shape=tuple(q.shape)))
+                      learnable_sink=learnable_sink, return_lse=return_lse, q_shape=tuple(q.shape)))
+    if learnable_sink is not None:
+        assert learnable_sink.shape == (q.shape[-2],)
+        assert learnable_sink.dtype in (torch.float16, torch.bfloat16, torch.float32), \
+            "learnable_sink must be float16, bfloat16, or float32"
     assert v.dtype in (torch.float16, torch.bfloat16), "inputs must be float16, bfloat16, fp8 e4m3fn, or fp8 e5m2"
     assert q.dtype == k.dtype == v.dtype, "q, k, v, and qv must have the same dtype"
     for t in (cu_seqlens_q, cu_seqlens_k, seqused_k):
@@ -86,6 +91,8 @@ def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=Non
             keep &= rel >= -left
         s = s.masked_fill(~keep, float("-inf"))
         m = torch.logsumexp(s, -1)  # [Hq, Lq]
+        if learnable_sink is not None:
+            m = torch.logaddexp(m, learnable_sink.float()[:, None].expand_as(m))
         p = torch.exp(s - m[..., None]).nan_to_num(0.0)
         out[rows] = torch.einsum("hqk,khd->qhd", p, values)
         lse[:, rows] = m

@@ -49,12 +49,11 @@ def _cu(lens):
     return torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
 
 
-def _reference(queries, keys, values, *, causal=True, window=(-1, -1), soft_cap=None):
+def _reference(queries, keys, values, *, causal=True, window=(-1, -1), soft_cap=None, sinks=None):
     outs, lses = [], []
     for q, k, v in zip(queries, keys, values):
-        o, lse = dense_attention_with_lse(q, k, v, scale=D ** -0.5, causal=causal,
-                                          sliding_window=window[0] + 1 if window[0] >= 0 else None,
-                                          logits_soft_cap=soft_cap)
+        o, lse = dense_attention_with_lse(q, k, v, scale=D ** -0.5, causal=causal, window=window,
+                                          logits_soft_cap=soft_cap, sinks=sinks)
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)  # [sum Lq, Hq, D], [sum Lq, Hq]
@@ -132,6 +131,32 @@ def test_window_without_causal_is_fa4s_local_window(fa4):
         assert fake_fa4.calls[-1]["window_size"] == fa4_window
         ref, _ = _reference([q], [k], [v], causal=True, window=ref_window)
         assert_attention_close(out, ref, tolerance_for(DTYPE), [(0, 9)])
+
+
+def test_learnable_sink_and_two_sided_window(fa4):
+    """Attention sinks reach FA4 as its `learnable_sink` (decode and varlen), and a two-sided
+    window without causal as FA4's (left, right) local window."""
+    sinks = torch.linspace(-1.0, 2.0, HQ)
+    kv_lens = [33, 18]
+    k_cache, v_cache, table, keys, values = _pool(kv_lens, seed=2)
+    q = torch.randn(2, 1, HQ, D).to(DTYPE)
+    out, lse = fa4.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor(kv_lens, dtype=torch.int32),
+                                           block_table=table, softmax_scale=D ** -0.5, causal=True,
+                                           return_softmax_lse=True, learnable_sink=sinks)
+    assert fake_fa4.calls[-1]["learnable_sink"] is sinks
+    ref, ref_lse = _reference(list(q), keys, values, sinks=sinks)
+    assert_attention_close(out.view(-1, HQ, D), ref, tolerance_for(DTYPE), _groups([1, 1]))
+    torch.testing.assert_close(lse[..., 0].double(), ref_lse, atol=LSE_ATOL, rtol=1e-4)
+    qv, kv, vv = (torch.randn(20, h, D).to(DTYPE) for h in (HQ, HKV, HKV))
+    cu = _cu([12, 8])
+    out = fa4.flash_attn_varlen_func(qv, kv, vv, cu, cu, 12, 12, causal=False, window_size=(4, 3),
+                                     learnable_sink=sinks)
+    call = fake_fa4.calls[-1]
+    assert call["window_size"] == (4, 3) and call["learnable_sink"] is sinks
+    groups = _groups([12, 8])
+    ref, _ = _reference([qv[a:b] for a, b in groups], [kv[a:b] for a, b in groups], [vv[a:b] for a, b in groups],
+                        causal=False, window=(4, 3), sinks=sinks)
+    assert_attention_close(out, ref, tolerance_for(DTYPE), groups)
 
 
 ARGS = {

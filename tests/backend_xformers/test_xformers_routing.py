@@ -48,6 +48,42 @@ def test_every_part_is_planned_and_refused_on_cpu(shape, option, monkeypatch):
             assert "over the paged cache" in plan.why_not, plan
 
 
+@pytest.mark.parametrize("option", ["sinks", "lse", "two_sided_window"])
+def test_what_xformers_lacks_runs_on_our_kernels(option, monkeypatch):
+    """Attention sinks and windows of bidirectional attention are planned onto our kernels with
+    the reason; a call that asks for the LSE goes there without a plan."""
+    pytest.importorskip("xformers.ops.fmha.attn_bias",
+                        reason="xformers is not installed (pip install --no-deps xformers==0.0.35)")
+    from xformers.ops import fmha
+
+    import pagedattn
+
+    ops = {role: tuple(getattr(fmha, name).FwOp for name in names) for role, names in xformers_fmha.ROLES.items()}
+    monkeypatch.setattr(xformers_fmha, "choose", lambda device_type: xformers_fmha.Fmha(fmha, "xformers", ops))
+    shape = FRESH if option == "two_sided_window" else shapes("mixed")[0]
+    sc = make_scenario(XFormersBackend, shape, dtype=torch.float32, head_size=16)
+    opts = {"sinks": dict(sinks=[1.0, -1.0, 0.5, 2.0]), "lse": {},
+            "two_sided_window": dict(sliding_window=(3, 2), attn_type=pagedattn.AttentionType.ENCODER_ONLY)}[option]
+    impl = sc.impl(**opts)
+    md = sc.build()
+    if option == "two_sided_window":
+        q, k, v = (x.reshape(x.shape[0], -1) for x in (sc.query, sc.key, sc.value))
+        impl.forward(q, k, v, sc.kv_cache, md)
+        (plan,) = md.xformers_plans.values()
+        assert plan.op is None and "bidirectional" in plan.why_not, plan
+        return
+    if option == "lse":
+        q, k, v = (x.reshape(x.shape[0], -1) for x in (sc.query, sc.key, sc.value))
+        out, _ = impl.forward(q, k, v, sc.kv_cache, md, return_lse=True)
+        sc.check(out)
+        assert not any(m.xformers_plans for m in (md.prefill_metadata, md.decode_metadata)), "planned for xFormers"
+        return
+    out = sc.forward(impl, md)
+    sc.check(out, **opts)
+    plans = [p for part in (md.prefill_metadata, md.decode_metadata) for p in part.xformers_plans.values()]
+    assert plans and all(p.op is None and "sinks" in p.why_not for p in plans), plans
+
+
 # ----------------------------------------------------------------------------- on CUDA
 
 # Block sizes xFormers' split-K operator takes (a multiple of its 64-key tile): decodes, a chunk

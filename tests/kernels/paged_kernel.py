@@ -79,5 +79,5 @@ def attend(args: KernelArgs, *, scale: float, lse: bool = True, **kernel_options
 def oracle_options(kernel_options: dict) -> dict:
     """The kernel's options under the oracle's names (the oracle has no launch parameters)."""
     names = {"soft_cap": "logits_soft_cap", "sliding_window": "sliding_window",
-             "alibi_slopes": "alibi_slopes"}
+             "alibi_slopes": "alibi_slopes", "sinks": "sinks"}
     return {names[k]: v for k, v in kernel_options.items() if k in names}

@@ -89,6 +89,14 @@ CASES |= {
     "prefill_long_d128_fp8_e4m3": dict(lens=[(4000, 130)], head_size=128, kv="fp8_e4m3", targets=(90,)),
     "mixed_d256_fp8_e4m3": dict(lens=[(40, 200), (30, 1)], heads=(8, 2), head_size=256, kv="fp8_e4m3", decodes=1,
                                 targets=(90,)),
+    # attention sinks and the LSE: a split decode (the reduction adds the sink) and a mixed launch
+    # (both bodies); a bidirectional two-sided window over contiguous rows (an encoder's)
+    "decode_long_d128_sinks_lse": dict(lens=[(8000, 1)], head_size=128, split=True, sinks=True, lse=True,
+                                       targets=CORE),
+    "mixed_d128_sinks_lse": dict(lens=[(64, 200)] + [(40, 1)] * 3, head_size=128, decodes=3, sinks=True, lse=True,
+                                 targets=(80, 90)),
+    "encoder_two_sided_window_d64": dict(lens=[(0, 300)], head_size=64, encoder=True, sliding_window=(16, 8),
+                                         targets=(80, 90)),
     # `store_kv` alone: float32 rows into FP8 pages of 5 keys
     **{f"store_kv_fp32_{kv}": dict(lens=[(0, 9)], heads=(8, 8), head_size=80, dtype=torch.float32, kv=kv,
                                     block_size=5, store_only=True, targets=CORE) for kv in ("fp8_e4m3", "fp8_e5m2")},
@@ -165,7 +173,11 @@ def _launch(c: dict, profile) -> None:
                   max_seq_len=int(seq_lens.max()), scale=0.1, sliding_window=c.get("sliding_window"),
                   soft_cap=c.get("soft_cap"), alibi_slopes=torch.ones(hq) if c.get("alibi") else None,
                   workspace=workspace, num_splits=c.get("num_splits"), num_decodes=c.get("decodes", 0),
-                  profile=profile)
+                  sinks=torch.zeros(hq) if c.get("sinks") else None,
+                  lse=torch.empty(num_tokens, hq) if c.get("lse") else None, profile=profile)
+    if c.get("encoder"):  # bidirectional over the step's rows, nothing written
+        return paged_attention(query, step_k, step_v, out, **(common | dict(block_tables=None, kv_start_loc=starts,
+                                                                             causal=False)))
     if c.get("prompt"):  # keys: the step's rows (`kv_start_loc`), also written into pages
         common |= dict(block_tables=None, kv_start_loc=starts, write=KVWrite(step_k, step_v, pool[0], pool[1], slots))
         return paged_attention(query, step_k, step_v, out, **common)
@@ -259,6 +271,9 @@ def test_compiles_and_fits(target, case, reports):
     assert len(reduced) == int(plan["SPLIT"]) >= int(bool(c.get("split"))), launches
     # decodes write their new rows in the attention kernel; other cache steps store them first
     stored = [x for x in launches if x["kernel"] == "_store_kv_kernel"]
+    if c.get("encoder"):
+        assert not plan["STORE_NEW"] and not stored, launches
+        return
     decode_like = all(q == 1 for _, q in c["lens"])
     assert plan["STORE_NEW"] == decode_like and len(stored) == (0 if decode_like else 1)
 

@@ -89,15 +89,14 @@ def make_pool(kv_lens, *, num_blocks, block_size, num_kv_heads, head_size, dtype
 
 
 def reference(queries, pool_keys, pool_values, *, scale, causal=True, window_size=(-1, -1),
-              soft_cap=None, alibi=None):
+              soft_cap=None, alibi=None, sinks=None):
     """Per sequence oracle: (out [sum Lq, Hq, D], lse [sum Lq, Hq]) float64 CPU."""
-    left = window_size[0]
     outs, lses = [], []
     for q, k, v in zip(queries, pool_keys, pool_values):
         o, lse = dense_attention_with_lse(
-            q.cpu(), k.cpu(), v.cpu(), scale=scale, causal=causal,
-            sliding_window=left + 1 if left >= 0 else None, logits_soft_cap=soft_cap,
-            alibi_slopes=None if alibi is None else alibi.cpu())
+            q.cpu(), k.cpu(), v.cpu(), scale=scale, causal=causal, window=tuple(window_size),
+            logits_soft_cap=soft_cap, alibi_slopes=None if alibi is None else alibi.cpu(),
+            sinks=None if sinks is None else sinks.cpu())
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
@@ -374,6 +373,64 @@ def test_varlen_out_and_causal_window_aliases(flash_attn, device):
     assert_attention_close(out, ref_out, tolerance_for(torch.float32))
 
 
+@pytest.mark.parametrize("window_size", [(4, 3), (5, -1), (-1, 2), (0, 0)], ids=str)
+def test_varlen_two_sided_window(flash_attn, device, window_size):
+    """Bidirectional local attention (an encoder's): causal=False with window_size=(left, right)
+    keeps the keys in [p - left, p + right], -1 unbounded; over contiguous rows, where queries
+    and keys are the same tokens, and over pages, bottom-right aligned (2 queries of 20 keys)."""
+    lens = [17, 40, 3]
+    q, k, v = (torch.randn(sum(lens), 4, 32, device=device) for _ in range(3))
+    cu = _cu(lens, device)
+    out = flash_attn.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=False,
+                                            window_size=window_size)
+    groups = _row_groups(lens)
+    ref_out, _ = reference([q[a:b] for a, b in groups], [k[a:b] for a, b in groups],
+                           [v[a:b] for a, b in groups], scale=32 ** -0.5, causal=False,
+                           window_size=window_size)
+    assert_attention_close(out, ref_out, tolerance_for(torch.float32), groups)
+    pool = make_pool([20, 9], num_blocks=12, block_size=4, num_kv_heads=2, head_size=32,
+                     dtype=torch.float32, device=device)
+    qd = torch.randn(2, 2, 4, 32, device=device)
+    out, lse = flash_attn.flash_attn_with_kvcache(
+        qd, pool.k_cache, pool.v_cache, cache_seqlens=torch.tensor([20, 9], dtype=torch.int32, device=device),
+        block_table=pool.block_table, causal=False, window_size=window_size, return_softmax_lse=True)
+    ref_out, ref_lse = reference(list(qd), pool.keys, pool.values, scale=32 ** -0.5, causal=False,
+                                 window_size=window_size)
+    assert_attention_close(out.reshape(-1, 4, 32), ref_out, tolerance_for(torch.float32))
+    torch.testing.assert_close(lse.transpose(1, 2).reshape(-1, 4).double().cpu(), ref_lse,
+                               atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_learnable_sink(flash_attn, device, num_splits):
+    """FA4's `learnable_sink` [Hq]: one more logit per head in the softmax's denominator, in the
+    output and the LSE, unsplit and split, decode and varlen (the last head's sink is -inf:
+    no change)."""
+    sinks = torch.tensor([0.5, -1.0, 3.0, float("-inf")], device=device)
+    pool = make_pool(DECODE_KV_LENS, num_blocks=CPU_POOL_BLOCKS, block_size=16, num_kv_heads=2,
+                     head_size=64, dtype=torch.float32, device=device)
+    q = torch.randn(len(DECODE_KV_LENS), 1, 4, 64, device=device)
+    out, lse = flash_attn.flash_attn_with_kvcache(
+        q, pool.k_cache, pool.v_cache, cache_seqlens=torch.tensor(DECODE_KV_LENS, dtype=torch.int32, device=device),
+        block_table=pool.block_table, causal=True, num_splits=num_splits, return_softmax_lse=True,
+        learnable_sink=sinks)
+    ref_out, ref_lse = reference(list(q), pool.keys, pool.values, scale=64 ** -0.5, sinks=sinks)
+    assert_attention_close(out.reshape(-1, 4, 64), ref_out, tolerance_for(torch.float32))
+    torch.testing.assert_close(lse[..., 0].double().cpu(), ref_lse, atol=1e-3, rtol=1e-4)
+    q_lens = [q_len for q_len, _ in VARLEN_LENS]
+    qv = torch.randn(sum(q_lens), 4, 64, device=device)
+    keys = [k[:n] for k, (_, n) in zip(pool.keys, VARLEN_LENS)]
+    values = [v[:n] for v, (_, n) in zip(pool.values, VARLEN_LENS)]
+    out, lse, _ = flash_attn.flash_attn_varlen_func(
+        qv, pool.k_cache, pool.v_cache, _cu(q_lens, device), _cu([n for _, n in VARLEN_LENS], device),
+        max(q_lens), max(n for _, n in VARLEN_LENS), causal=True, block_table=pool.block_table,
+        return_attn_probs=True, learnable_sink=sinks)
+    groups = _row_groups(q_lens)
+    ref_out, ref_lse = reference([qv[a:b] for a, b in groups], keys, values, scale=64 ** -0.5, sinks=sinks)
+    assert_attention_close(out, ref_out, tolerance_for(torch.float32), groups)
+    torch.testing.assert_close(lse.t().double().cpu(), ref_lse, atol=1e-3, rtol=1e-4)
+
+
 # ----------------------------------------------------------------------------- refusals
 
 
@@ -414,9 +471,6 @@ UNSUPPORTED = {
     "requires_grad": ("varlen", dict(q=lambda d: torch.randn(6, 4, 32, device=d,
                                                              requires_grad=True)), "requires_grad"),
     "window_right_under_causal": ("varlen", dict(window_size=(-1, 3)), "window_size"),
-    "window_left_only_not_causal": ("varlen", dict(causal=False, window_size=(5, -1)),
-                                    "window_size"),
-    "window_both_sides": ("varlen", dict(causal=False, window_size=(3, 3)), "window_size"),
     "alibi_per_sequence": ("varlen", dict(alibi_slopes=_slopes(2, 4)), "alibi_slopes"),
     "alibi_not_causal": ("varlen", dict(causal=False, alibi_slopes=_slopes(4)), "alibi_slopes"),
     "descale_per_head": ("varlen", dict(k=_fp8, v=_fp8, k_descale=lambda d: torch.ones(
@@ -481,6 +535,11 @@ BAD = {
                                                                        device=d)),
                       "alibi_slopes.dtype"),
     "descale_float_cache": ("varlen", dict(k_descale=2.0), "k_descale"),
+    "learnable_sink_length": ("varlen", dict(learnable_sink=lambda d: torch.zeros(3, device=d)),
+                              "learnable_sink.shape"),
+    "learnable_sink_int": ("kvcache", dict(learnable_sink=lambda d: torch.zeros(4, dtype=torch.int32,
+                                                                                device=d)),
+                           "learnable_sink.dtype"),
     "kvcache_q_3d": ("kvcache", dict(q=lambda d: torch.randn(2, 4, 32, device=d)), "q.shape"),
     "kvcache_k_without_v": ("kvcache", dict(k=lambda d: torch.randn(2, 1, 2, 32, device=d)),
                             "k, v"),

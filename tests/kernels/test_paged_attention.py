@@ -115,6 +115,55 @@ def test_fp8_cache(kv_cache_dtype, dtype):
     assert rel_l2(out, unit) > 1e-2
 
 
+# a -inf sink changes nothing; the others outweigh, match and trail the scores
+SINKS = [0.5, -1.0, 3.0, float("-inf")]
+
+
+@pytest.mark.parametrize("num_splits", [None, 3])
+@pytest.mark.parametrize("shape", ["single_decode", "chunked_prefill", "mixed"])
+def test_sinks(shape, num_splits):
+    """A sink joins the softmax's denominator once: in the epilogue of an unsplit launch, in the
+    reduction of a split one (the output and the LSE)."""
+    batch = make(SHAPES[shape], block_size=5)
+    ws = SplitKVWorkspace.allocate(batch.num_tokens, 4, 32, 4, DEVICE) if num_splits else None
+    out = check_against_oracle(batch, sinks=torch.tensor(SINKS, device=DEVICE), workspace=ws, num_splits=num_splits)
+    assert rel_l2(out, attend(kernel_args(batch), scale=32 ** -0.5)[0]) > 1e-2
+
+
+def test_sinks_fp8_cache_bf16():
+    """bf16 sinks (a model's parameter) over an FP8 cache."""
+    batch = make(SHAPES["mixed"], head_size=64, dtype=torch.bfloat16, kv_cache_dtype="fp8_e5m2", k_scale=0.3,
+                 v_scale=1.7)
+    sinks = torch.tensor(SINKS, device=DEVICE).to(torch.bfloat16)
+    check_against_oracle(batch, lse_atol=2e-2, sinks=sinks)
+
+
+@pytest.mark.parametrize("window", [(5, 7), (-1, 3), (20, -1)], ids=str)
+@pytest.mark.parametrize("tile", [None, (16, 1, 1, 16)], ids=["policy", "small_tiles"])
+def test_two_sided_window(window, tile):
+    """Bidirectional local attention, FlashAttention's window_size (left, right): keys in
+    [p - left, p + right], over contiguous rows (an encoder's: queries are the keys) and over
+    pages (bottom-right aligned); small tiles give programs several key and query tiles."""
+    lens = [40, 17, 23]
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(sum(lens), h, 32, generator=g).to(DEVICE) for h in (4, 2, 2))
+    loc = torch.tensor([0, 40, 57, 80], dtype=torch.int32, device=DEVICE)
+    out, lse = torch.empty_like(q), torch.empty(sum(lens), 4, device=DEVICE)
+    paged_attention(q, k, v, out, query_start_loc=loc, seq_lens=loc[1:] - loc[:-1], block_tables=None,
+                    kv_start_loc=loc, max_query_len=40, max_seq_len=40, scale=0.3, causal=False,
+                    sliding_window=window, lse=lse, tile=tile)
+    for a, b in zip(loc[:-1].tolist(), loc[1:].tolist()):
+        ref, ref_lse = dense_attention_with_lse(q[a:b].cpu(), k[a:b].cpu(), v[a:b].cpu(), scale=0.3, causal=False,
+                                                window=window)
+        assert rel_l2(out[a:b], ref) <= TOL[torch.float32]
+        torch.testing.assert_close(lse[a:b].double().cpu(), ref_lse, atol=1e-4, rtol=1e-4)
+    batch = make([(30, 6), (9, 4)], block_size=5)
+    out, lse = attend(kernel_args(batch), scale=0.3, causal=False, sliding_window=window)
+    ref, ref_lse = batch.reference(scale=0.3, causal=False, window=window)
+    assert rel_l2(out, ref) <= TOL[torch.float32]
+    torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("shape", ["single_decode", "many_decodes", "mixed", "chunked_prefill"])
 @pytest.mark.parametrize("num_splits", [2, 3])
 def test_split_kv_matches_unsplit(shape, num_splits):
