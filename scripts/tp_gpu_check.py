@@ -239,11 +239,20 @@ def run_big(bandwidth: float, report: Report, utilization: float) -> dict:
     fixed = 2 * s["vocab_size"] * hidden * 2 / 2  # embedding and head
     fit = int((total * utilization - fixed - BIG_HEADROOM_GIB * 2**30) // per_layer)
     layers = max(1, min(s["num_hidden_layers"], fit))
-    report.line(f"big: {BIG} at TP=2 with {layers} of {s['num_hidden_layers']} layers ({per_layer / 2**30:.2f} GiB "
-                f"a layer a GPU, {total / 2**30:.1f} GiB GPUs at gpu_memory_utilization {utilization})")
-    start = time.perf_counter()
-    engine = _engine(_loader(BIG, None if layers == s["num_hidden_layers"] else layers, max_model_len=1024), 2,
-                     max_num_seqs=64, max_num_batched_tokens=2048, gpu_memory_utilization=utilization)
+    for attempt in range(2):  # the estimate may be a little too hopeful: then 80% of its layers
+        report.line(f"big: {BIG} at TP=2 with {layers} of {s['num_hidden_layers']} layers ({per_layer / 2**30:.2f} "
+                    f"GiB a layer a GPU, {total / 2**30:.1f} GiB GPUs at gpu_memory_utilization {utilization})")
+        start = time.perf_counter()
+        try:
+            engine = _engine(_loader(BIG, None if layers == s["num_hidden_layers"] else layers, max_model_len=1024),
+                             2, max_num_seqs=64, max_num_batched_tokens=2048, gpu_memory_utilization=utilization)
+            break
+        except Exception as e:  # noqa: BLE001 - out of memory on either rank (a worker's comes as WorkerError)
+            if attempt:
+                raise
+            report.line(f"big: {layers} layers do not fit ({type(e).__name__}: {str(e)[:200]}); trying fewer")
+            _free()
+            layers = int(layers * 0.8)
     try:
         weight_bytes = offline.weight_bytes_read(engine.runner.model)
         result = {"layers": layers, "all_layers": layers == s["num_hidden_layers"],

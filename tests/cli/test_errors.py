@@ -46,6 +46,8 @@ def no_loading(monkeypatch):
         (["generate", "--max-num-batched-tokens", "100"], "--max-num-batched-tokens to be an int >= 256"),
         (["chat", "--max-num-batched-tokens", "0", "--max-num-seqs", "1"], "--max-num-batched-tokens"),
         (["generate", "--max-num-seqs", "0"], "--max-num-seqs"),
+        (["generate", "--tensor-parallel-size", "0"], "expected --tensor-parallel-size to be an int >= 1"),
+        (["serve", "-tp", "two"], "--tensor-parallel-size"),
         (["generate", "--tokenizer", "/nope/tokenizer"], "--tokenizer"),
         (["generate", "--chat-template", "no-such-file.jinja"], "expected --chat-template to be a template file"),
         (["generate", "--chat-template", "{% if %}"], "syntax error on line 1"),

@@ -38,6 +38,31 @@ def save_tiny_llama(folder, num_kv_heads: int):
     return model
 
 
+def save_tiny_gemma2(folder) -> None:
+    """A 2-layer Gemma 2 (soft caps, a sliding window on layer 0, the tied head), 4 query and 2 KV
+    heads, random weights: norm weights around 0 (Gemma scales by 1 + w), small embeddings and
+    strong linears, so the blocks' outputs outweigh the token's own embedding in the residual
+    stream (else the tied head repeats the last token whatever the layers compute)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(**dict(TINY_CONFIG, max_position_embeddings=96), head_dim=16, query_pre_attn_scalar=24,
+                          sliding_window=8, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+    model = Gemma2ForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            rand = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(0.1 * rand)
+            elif "embed" in name:
+                p.copy_(0.05 * rand)  # times sqrt(hidden) = 8 in the model: below the blocks' unit outputs
+            else:
+                p.copy_(4.0 * rand / p.shape[1] ** 0.5)
+    model.save_pretrained(folder, safe_serialization=True)
+    byte_tokenizer().save_pretrained(folder)
+
+
 @pytest.fixture(scope="session")
 def tiny_kv(tmp_path_factory):
     """`tiny_kv(num_kv_heads) -> Tiny`, each checkpoint made once."""

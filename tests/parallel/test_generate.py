@@ -3,7 +3,7 @@ tokens it gives at 1 rank and that transformers gives, with its KV heads replica
 head), one a rank (2) and two a rank (4), through async scheduling (the input tokens broadcast
 on the device), chunked prefill and prefix caching, multi-step decoding (each step's draws
 broadcast), forks (copy-on-write block copies), preemption, and prompt log-probabilities (the
-output head on every rank). Each engine's worker is gone once it is collected, or shut down."""
+output head on every rank); and a tiny Gemma 2 (tied head, soft caps) at 2 ranks as at 1. Each engine's worker is gone once it is collected, or shut down."""
 
 from __future__ import annotations
 
@@ -75,3 +75,19 @@ def test_two_ranks_equal_one_and_transformers(tiny_kv, num_kv_heads):
     while alive(pids[1]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive(pids[1])
+
+
+def test_gemma2_two_ranks_equal_one(tmp_path):
+    """Gemma 2's own paths at 2 ranks: the tied head over the vocabulary shards, the final soft
+    cap on the gathered logits, a sliding-window layer (transformers' equality: tests/models)."""
+    from .conftest import save_tiny_gemma2
+
+    save_tiny_gemma2(tmp_path)
+    tokens = []
+    for size in (1, 2):
+        engine = LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=64,
+                                        tensor_parallel_size=size))
+        greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        tokens.append([o.outputs[0].token_ids for o in engine.generate(PROMPTS, [greedy] * len(PROMPTS))])
+        engine.shutdown()
+    assert tokens[1] == tokens[0]
