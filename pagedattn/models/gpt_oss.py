@@ -33,8 +33,9 @@ class GptOssExperts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i))
         self.down_proj = nn.Parameter(torch.empty(e, i, h))  # [E, I, hidden]
         self.down_proj_bias = nn.Parameter(torch.empty(e, h))
-        self.alpha = config.swiglu_alpha
-        self.limit = config.swiglu_limit
+        # configs before transformers 5.2x hold neither: their modeling code fixes 1.702 and 7.0
+        self.alpha = getattr(config, "swiglu_alpha", 1.702)
+        self.limit = getattr(config, "swiglu_limit", 7.0)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert `e` on x [N, hidden] -> [N, hidden]."""

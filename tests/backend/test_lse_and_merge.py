@@ -113,7 +113,7 @@ def test_merge_of_two_parts_equals_the_whole(backend, device, model_dtype, with_
     assert out.shape == out_w.shape and out.dtype == out_w.dtype
     sinks_list = None if sinks is None else sinks.tolist()
     sc.check(out_w, sinks=sinks_list)
-    assert_attention_close(out, out_w.double(), tolerance_for(sc.dtype), sc.row_ranges(), what="merged parts")
+    assert_attention_close(out, out_w.double().cpu(), tolerance_for(sc.dtype), sc.row_ranges(), what="merged parts")
     torch.testing.assert_close(lse, lse_w, atol=LSE_ATOL[sc.dtype], rtol=0)
 
 
