@@ -398,7 +398,8 @@ class BlockManager:
         for seq in seqs:
             swapped = seq.status is SeqStatus.SWAPPED
             counts = cpu if swapped else gpu
-            assert not seq.block_tables or len(seq.block_tables) == self.num_groups, f"{seq}: expected {self.num_groups} tables"
+            tables = seq.block_tables
+            assert not tables or len(tables) == self.num_groups, f"{seq}: expected {self.num_groups} tables"
             assert len({len(t) for t in seq.block_tables}) <= 1, f"{seq}: its groups' tables differ in length"
             for block in self._held(seq):
                 counts[block] += 1
