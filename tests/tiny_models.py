@@ -48,11 +48,7 @@ def save_tiny_chat_llama(folder, *, clear_cut: bool = False) -> str:
     config = LlamaConfig(**TINY_CONFIG, tie_word_embeddings=False) if clear_cut else LlamaConfig(**TINY_CONFIG)
     model = LlamaForCausalLM(config).eval()
     if clear_cut:
-        gen = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                noise = torch.randn(p.shape, generator=gen)
-                p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.2 * noise)
+        clear_cut_weights_(model)
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer = byte_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -210,3 +206,15 @@ def whisper_encoder_reference(model, features):
         for layer in encoder.layers:
             h = layer(h, None)
         return BaseModelOutput(last_hidden_state=encoder.layer_norm(h))
+
+
+def clear_cut_weights_(model) -> None:
+    """Redraw `model`'s weights (seeded) so that its greedy choices are clear-cut: norms near 1,
+    the rest 0.2 x N(0, 1)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.2 * noise)

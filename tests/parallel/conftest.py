@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from tiny_models import TINY_CONFIG, byte_tokenizer
+from tiny_models import TINY_CONFIG, byte_tokenizer, clear_cut_weights_
 
 
 @dataclass
@@ -27,11 +27,7 @@ def save_tiny_llama(folder, num_kv_heads: int):
     config = LlamaConfig(**dict(TINY_CONFIG, num_key_value_heads=num_kv_heads, max_position_embeddings=96,
                                 tie_word_embeddings=False))
     model = LlamaForCausalLM(config).eval()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.2 * noise)
+    clear_cut_weights_(model)
     model.save_pretrained(folder, safe_serialization=True)
     byte_tokenizer().save_pretrained(folder)
     model.generation_config.eos_token_id = None
