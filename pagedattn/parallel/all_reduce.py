@@ -26,6 +26,8 @@ some rank); every rank then agrees, so all take the same path. Nothing here runs
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import torch
 
@@ -42,6 +44,10 @@ NCCL: the 2 MiB bound takes every decode step up to batch 256 at hidden 4096 (ba
 switches to two-stage above 512 and 256 KiB, since a one-shot then reads 3x and 7x the message:
 dividing this bound by (size - 1) gives 682 and 292 KiB there. `scripts/tp_gpu_check.py`
 times both algorithms at 0.5, 2 and 8 MiB to check the bound."""
+RELEASE_TIMEOUT_S = 30.0
+"""After a peer died, how long `OneShotAllReduce.release` keeps this rank's queued one-shot
+kernels passing their barriers before it gives up."""
+_RELEASE_SLOTS = 1024  # signal-pad flags kept released: the kernel's blocks (24 at most) x ranks
 _DTYPES = (torch.bfloat16, torch.float32)  # what torch's one-shot kernel is built for (no float16)
 _ALIGN = 16  # bytes: the kernel's vector width; the buffer and the input must agree on alignment
 
@@ -86,12 +92,14 @@ def _describe(max_bytes: int) -> str:
 
 class OneShotAllReduce:
     """Sums a tensor over the group through `buffer` (uint8 [max_bytes], symmetric memory
-    rendezvoused over the group named `group_name`): `fits(x)`, then `x = one_shot(x)`."""
+    rendezvoused over the group named `group_name`; `handle` the rendezvous' `_SymmetricMemory`):
+    `fits(x)`, then `x = one_shot(x)`."""
 
-    def __init__(self, buffer: torch.Tensor, group_name: str, max_bytes: int) -> None:
+    def __init__(self, buffer: torch.Tensor, group_name: str, max_bytes: int, handle=None) -> None:
         self.buffer = buffer
         self.group_name = group_name
         self.max_bytes = max_bytes
+        self.handle = handle
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether the one-shot kernel takes `x`: its dtype, contiguous and 16-byte aligned (start
@@ -108,6 +116,33 @@ class OneShotAllReduce:
         out = torch.empty_like(x)
         torch.ops.symm_mem.one_shot_all_reduce_copy_out(staging, x, "sum", self.group_name, out)
         return out
+
+    def release(self) -> None:
+        """A peer died: let this rank's queued one-shot kernels finish (their sums garbage), as
+        aborting NCCL lets its kernels return. Each barrier spins until every peer's flag
+        arrives, which a dead peer never sends; a daemon thread keeps this rank's flags raised
+        and the peers' cleared (on a stream of its own, beside the spinning kernel's at most 24
+        blocks) until the device's default stream has drained, or RELEASE_TIMEOUT_S. Without it
+        that stream would never drain, and freeing the buffer (which synchronises the device)
+        would hang the process. Any thread may call it."""
+        if self.handle is not None:
+            threading.Thread(target=self._release, name="pagedattn-one-shot-release", daemon=True).start()
+
+    def _release(self) -> None:
+        device = self.buffer.device
+        slots = min(self.handle.signal_pad_size // 4, _RELEASE_SLOTS)
+        with torch.cuda.device(device):
+            pads = [self.handle.get_signal_pad(r, [slots], torch.int32) for r in range(self.handle.world_size)]
+            mine = pads.pop(self.handle.rank)
+            side, queued = torch.cuda.Stream(device), torch.cuda.default_stream(device)
+            deadline = time.monotonic() + RELEASE_TIMEOUT_S
+            while not queued.query() and time.monotonic() < deadline:
+                with torch.cuda.stream(side):
+                    mine.fill_(1)  # every wait of this rank's barriers passes
+                    for pad in pads:
+                        pad.fill_(0)  # every flag this rank puts to a peer finds its slot free
+                side.synchronize()
+                time.sleep(0.001)
 
 
 def make_one_shot(device_group, device: torch.device, size: int, *,
@@ -131,8 +166,8 @@ def make_one_shot(device_group, device: torch.device, size: int, *,
     why = _agree(why, device_group, device, "could not allocate symmetric memory")
     if why is None:
         try:
-            symm_mem.rendezvous(buffer, device_group.group_name)
-            one_shot = OneShotAllReduce(buffer, device_group.group_name, max_bytes)
+            handle = symm_mem.rendezvous(buffer, device_group.group_name)
+            one_shot = OneShotAllReduce(buffer, device_group.group_name, max_bytes, handle)
         except Exception as e:  # noqa: BLE001
             why = f"the symmetric-memory rendezvous failed ({type(e).__name__}: {e})"
     why = _agree(why, device_group, device, "failed the symmetric-memory rendezvous")

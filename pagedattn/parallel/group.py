@@ -237,12 +237,15 @@ def leave(group: TPGroup, *, abort: bool = False) -> None:
 
 
 def abort_collectives(group: TPGroup) -> None:
-    """Abort the device group's NCCL communicators, from any thread: kernels waiting for a dead
-    rank return (their results are garbage) and a host waiting on them wakes. The groups stay
+    """Abort the device group's NCCL communicators, and release the one-shot all-reduce's
+    barriers (`OneShotAllReduce.release`), from any thread: kernels waiting for a dead rank
+    return (their results are garbage) and a host waiting on them wakes. The groups stay
     registered (the thread that uses them may be inside a collective's Python code) until
     `leave(abort=True)`. Nothing for gloo, whose collectives fail when a peer's socket closes."""
     if group.size == 1 or group.device.type != "cuda":
         return
+    if group.one_shot is not None:
+        group.one_shot.release()
     try:
         group.device_group.abort()
     except (AttributeError, RuntimeError):  # aborted already, or a torch without it
