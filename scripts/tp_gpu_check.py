@@ -378,7 +378,7 @@ def stage_serve(setup: Setup, report: Report) -> None:
     result: dict = {"command": "pagedattn serve " + " ".join(args)}
     with (report.out / "serve.log").open("w") as log, ServeProcess(args, log=log) as server:
         result["ready_s"] = server.wait_ready(STAGES["serve"] - 20)
-        workers = _children(server.proc.pid)  # the tensor-parallel worker (and multiprocessing's resource tracker)
+        workers = server.children()  # the tensor-parallel worker (and multiprocessing's resource tracker)
         prompt = " ".join(f"t{i}" for i in range(100, 132))
         try:
             import openai
@@ -404,18 +404,6 @@ def stage_serve(setup: Setup, report: Report) -> None:
     report.line(f"serve: [{'met' if ok else 'NOT met'}] ready in {result['ready_s']:.0f} s with {len(workers)} "
                 f"child processes; {result['client']} got {result['completion_tokens']} tokens "
                 f"{result['text'][:60]!r}; after SIGINT exit {result['exit_code']}, left: {result['left'] or 'none'}")
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    kids.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                continue
-    return kids
 
 
 def _alive(pid: int) -> bool:

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -72,6 +73,20 @@ class ServeProcess:
                 self.proc.wait(timeout=5)
         self.returncode = self.proc.returncode
         return self.returncode
+
+    def children(self) -> list[int]:
+        """Process ids of the server's children now (its tensor-parallel workers, and
+        multiprocessing's resource tracker)."""
+        kids = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    stat = Path(f"/proc/{entry}/stat").read_text()
+                    if int(stat.rsplit(")", 1)[1].split()[1]) == self.proc.pid:
+                        kids.append(int(entry))
+                except (OSError, IndexError, ValueError):
+                    continue
+        return kids
 
     def output(self) -> str:
         """What the server printed (its pipe, once it has exited; '' with a log file)."""
