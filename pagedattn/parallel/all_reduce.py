@@ -25,9 +25,11 @@ some rank); every rank then agrees, so all take the same path. Nothing here runs
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -145,14 +147,14 @@ class OneShotAllReduce:
                 time.sleep(0.001)
 
 
-def make_one_shot(device_group, device: torch.device, size: int, *,
-                  one_host: bool) -> tuple[OneShotAllReduce | None, str]:
+def make_one_shot(device_group, device: torch.device, size: int, *, one_host: bool,
+                  alive: Callable[[], None] | None = None) -> tuple[OneShotAllReduce | None, str]:
     """Every rank of `device_group` (NCCL, `size` ranks, this rank on `device`) calls it at
     once: (the one-shot all-reduce, its description), or (None, why the group keeps NCCL alone).
-    Each step is agreed on by all ranks before the next (an all-reduce of a flag), so one rank's
-    failure leaves every rank on NCCL rather than some waiting for a peer that gave up; a rank
-    that fails inside the rendezvous itself while the others wait in it is the one case left to
-    the store's timeout."""
+    Each step is agreed on by all ranks before the next (an all-reduce of a flag, waited for
+    while polling `alive()`, which raises when a spawned rank has died), so one rank's failure
+    leaves every rank on NCCL rather than some waiting for a peer that gave up; a rank that dies
+    inside the rendezvous itself, while the others wait in it, is left to the store's timeout."""
     import torch.distributed._symmetric_memory as symm_mem
 
     why = one_shot_unsupported(device, size, one_host=one_host)
@@ -163,42 +165,47 @@ def make_one_shot(device_group, device: torch.device, size: int, *,
             buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         except Exception as e:  # noqa: BLE001 - any failure means NCCL; the reason is reported
             why = f"symmetric memory could not be allocated ({type(e).__name__}: {e})"
-    why = _agree(why, device_group, device, "could not allocate symmetric memory")
+    agree = functools.partial(_agree, device_group=device_group, device=device, alive=alive)
+    why = agree(why, "could not allocate symmetric memory")
     if why is None:
         try:
             handle = symm_mem.rendezvous(buffer, device_group.group_name)
             one_shot = OneShotAllReduce(buffer, device_group.group_name, max_bytes, handle)
         except Exception as e:  # noqa: BLE001
             why = f"the symmetric-memory rendezvous failed ({type(e).__name__}: {e})"
-    why = _agree(why, device_group, device, "failed the symmetric-memory rendezvous")
+    why = agree(why, "failed the symmetric-memory rendezvous")
     if why is None:
-        why = _check(one_shot, device_group, device, size)
+        why = agree(_check(one_shot, device, torch.distributed.get_rank(device_group), size),
+                    "failed a checked one-shot sum")
     if why is not None:
         logger.info("tensor-parallel all-reduce: NCCL alone (no one-shot: %s)", why)
         return None, f"NCCL (no one-shot: {why})"
     return one_shot, _describe(max_bytes)
 
 
-def _check(one_shot: OneShotAllReduce, device_group, device: torch.device, size: int) -> str | None:
-    """A first one-shot sum of known values (rank r adds r + 1), eagerly: a mapping that reads
-    the wrong memory shows here, not as wrong tokens."""
-    rank = torch.distributed.get_rank(device_group)
+def _check(one_shot: OneShotAllReduce, device: torch.device, rank: int, size: int) -> str | None:
+    """Why a first one-shot sum of known values (rank r adds r + 1, eagerly) is wrong, or None: a
+    mapping that reads the wrong memory shows here, not as wrong tokens."""
     x = torch.full((one_shot.max_bytes // 4,), float(rank + 1), dtype=torch.float32, device=device)
-    why = None
     try:
         got = one_shot(x)
-        want = size * (size + 1) / 2
-        if not bool((got == want).all()):
-            why = f"a checked one-shot sum gave {got.unique()[:4].tolist()}, expected {want}"
     except Exception as e:  # noqa: BLE001
-        why = f"a checked one-shot sum failed ({type(e).__name__}: {e})"
-    return _agree(why, device_group, device, "failed a checked one-shot sum")
+        return f"a checked one-shot sum failed ({type(e).__name__}: {e})"
+    want = size * (size + 1) / 2
+    if not bool((got == want).all()):
+        return f"a checked one-shot sum gave {got.unique()[:4].tolist()}, expected {want}"
+    return None
 
 
-def _agree(why: str | None, device_group, device: torch.device, elsewhere: str) -> str | None:
+def _agree(why: str | None, elsewhere: str, *, device_group, device: torch.device,
+           alive: Callable[[], None] | None) -> str | None:
     """None when no rank has a reason; else this rank's reason, or that another rank `elsewhere`."""
     ok = torch.tensor([0 if why else 1], dtype=torch.int32, device=device)
-    torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN, group=device_group)
+    work = torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN, group=device_group, async_op=True)
+    while alive is not None and not work.is_completed():
+        alive()
+        time.sleep(0.01)
+    work.wait()
     if int(ok.item()) == 1:
         return None
     return why or f"another rank {elsewhere}"

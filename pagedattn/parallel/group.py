@@ -202,7 +202,8 @@ def join(rendezvous: Rendezvous, rank: int, device: torch.device, *, channel=Non
         channel = GlooChannel(dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT))
     one_shot, name = None, backend
     if backend == "nccl":
-        one_shot, name = make_one_shot(dist.group.WORLD, device, rendezvous.world_size, one_host=rendezvous.one_host)
+        one_shot, name = make_one_shot(dist.group.WORLD, device, rendezvous.world_size, one_host=rendezvous.one_host,
+                                       alive=alive)
     return TPGroup(rank, rendezvous.world_size, device, dist.group.WORLD, channel, owns_world, one_shot, name)
 
 

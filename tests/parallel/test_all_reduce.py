@@ -69,6 +69,32 @@ def test_a_cpu_group_runs_gloo_and_routes_by_what_the_one_shot_takes():
             assert cases[name] == (False, True, True), name  # the group's collective, in place
 
 
+def _make(tp, unsupported_on: int | None):
+    """make_one_shot on CPU ranks: as is (every rank: not CUDA), or as if every rank but
+    `unsupported_on` could allocate symmetric memory (a CPU tensor stands in)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from pagedattn.parallel import all_reduce
+
+    calls = []
+    if unsupported_on is not None:
+        mine = "no GPU here" if tp.rank == unsupported_on else None
+        all_reduce.one_shot_unsupported = lambda *args, **kwargs: mine
+        symm_mem.empty = lambda n, dtype, device: torch.empty(n, dtype=dtype)
+    one_shot, name = all_reduce.make_one_shot(tp.device_group, tp.device, tp.size, one_host=True,
+                                              alive=lambda: calls.append(1))
+    return one_shot, name
+
+
+def test_ranks_agree_to_keep_their_own_all_reduce_when_one_cannot_run_the_one_shot():
+    for one_shot, name in run_ranks(_make, None):
+        assert one_shot is None and name == "NCCL (no one-shot: it needs CUDA, got cpu)"
+    (zero, name0), (one, name1) = run_ranks(_make, 1)
+    assert zero is None and one is None
+    assert name0 == "NCCL (no one-shot: another rank could not allocate symmetric memory)"
+    assert name1 == "NCCL (no one-shot: no GPU here)"
+
+
 def test_the_one_shot_bound_shrinks_with_the_peers_read():
     assert one_shot_max_bytes(2) == ONE_SHOT_PEER_BYTES == 2 << 20  # [256, 4096] bf16 decode activations
     assert 512 << 10 <= one_shot_max_bytes(4) < 1 << 20  # [64, 4096] bf16 still one-shot at 4 ranks
