@@ -23,8 +23,9 @@ llama3-70b --tensor-parallel-size 2 --num-layers N`.
     python scripts/tp_gpu_check.py OUT [--budget 540] [--stages all-reduce,tp1,tp2,serve] [--device cpu]
 
 Writes OUT/summary.txt (a line a measurement, as it ends; also printed), OUT/tp_check.json (every
-number; each stage's own OUT/stage-NAME.json as it runs) and OUT/NAME.log (the engine's INFO
-log; OUT/serve.log the server's). `--device cpu` rehearses every stage on gloo with a tiny model.
+number; a running stage's own in OUT/stage-NAME.json until it is merged), OUT/tp_check.log (the
+engines' INFO log) and OUT/serve.log (the server's): four files. `--device cpu` rehearses every
+stage on gloo with a tiny model.
 """
 
 from __future__ import annotations
@@ -419,8 +420,8 @@ def _alive(pid: int) -> bool:
 
 def run_stage(name: str, out: Path, device: str) -> int:
     """One stage in this process (the orchestrator's child)."""
-    logging.basicConfig(filename=out / f"{name}.log", level=logging.INFO,
-                        format="%(asctime)s %(process)d %(name)s %(levelname)s: %(message)s")
+    logging.basicConfig(filename=out / "tp_check.log", level=logging.INFO,
+                        format=f"%(asctime)s {name} %(process)d %(name)s %(levelname)s: %(message)s")
     setup = Setup(device)
     report = Report(out, out / f"stage-{name}.json")
     fn = {"all-reduce": stage_all_reduce, "tp1": functools.partial(stage_size, size=1),
@@ -435,7 +436,7 @@ def run_stage(name: str, out: Path, device: str) -> int:
 
 
 def orchestrate(out: Path, stages: list[str], budget: float, device: str) -> int:
-    for old in [out / "summary.txt", *out.glob("stage-*.json")]:
+    for old in [out / "summary.txt", out / "tp_check.log", *out.glob("stage-*.json")]:
         old.unlink(missing_ok=True)
     report = Report(out, out / "tp_check.json")
     report.save("environment", _environment())
@@ -460,8 +461,10 @@ def orchestrate(out: Path, stages: list[str], budget: float, device: str) -> int
             code = None
             report.line(f"{name}: cut at its budget of {limit:.0f} s; what it measured is kept")
         failed |= code != 0
-        stage = _read_json(str(out / f"stage-{name}.json"))
-        report.save(name, dict(stage, seconds=round(time.monotonic() - start, 1), exit_code=code))
+        stage_path = out / f"stage-{name}.json"
+        report.save(name, dict(_read_json(str(stage_path)), seconds=round(time.monotonic() - start, 1),
+                               exit_code=code))
+        stage_path.unlink(missing_ok=True)  # merged: OUT keeps few files (what comes back from a GPU run is counted)
     one, two = report.data.get("tp1", {}), report.data.get("tp2", {})
     if "greedy" in one and "greedy" in two:
         report.save("equal", compare(one["greedy"], two["greedy"], report))
