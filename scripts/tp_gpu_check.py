@@ -477,17 +477,19 @@ def orchestrate(out: Path, stages: list[str], budget: float, device: str) -> int
 
 
 def _environment() -> dict:
+    """Versions, GPUs and commit, read without a CUDA context here (the stages' processes hold
+    the GPUs: a context in this one would take memory from their KV pools)."""
     import pagedattn
 
-    cuda = torch.cuda.is_available()
     env = {"torch": torch.__version__, "cuda": torch.version.cuda, "pagedattn": pagedattn.__version__,
-           "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-           "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None}
-    try:
-        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                       timeout=10, cwd=ROOT).stdout.strip() or None
-    except OSError:
-        env["commit"] = None
+           "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.version.cuda else None}
+    for key, command in (("gpus", ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]),
+                         ("commit", ["git", "rev-parse", "--short", "HEAD"])):
+        try:
+            env[key] = subprocess.run(command, capture_output=True, text=True, timeout=20, cwd=ROOT).stdout.split("\n")
+            env[key] = [line for line in env[key] if line.strip()]
+        except (OSError, subprocess.TimeoutExpired):
+            env[key] = None
     return env
 
 
