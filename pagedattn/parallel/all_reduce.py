@@ -3,8 +3,8 @@ of decode steps; NCCL keeps everything else (and gloo everything on the CPU).
 
 Why: a row-parallel layer sums its partial output [T, hidden] over the ranks twice a layer. At
 decode sizes that is latency, not bandwidth: NCCL's ring took 25.6 us for [64, 4096] bf16
-(512 KiB) inside a CUDA graph on two H200s, 64 of them a Llama-3-8B step (1.64 ms, 0.84x the
-step's floor per GPU). A one-shot all-reduce (vLLM's custom all-reduce; PyTorch's
+(512 KiB) inside a CUDA graph on two H200s, two a layer: 1.64 ms of a Llama-3-8B step (0.84x
+the step's floor per GPU). A one-shot all-reduce (vLLM's custom all-reduce; PyTorch's
 `torch.ops.symm_mem.one_shot_all_reduce_copy_out`, used here) is one kernel: each rank copies
 its input into a buffer that every rank has mapped (symmetric memory: CUDA virtual-memory
 handles exchanged once at start-up, read over NVLink/P2P), the ranks meet at a barrier of flags
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 ONE_SHOT_PEER_BYTES = 2 << 20
 """The most bytes one one-shot all-reduce reads from its peers: (size - 1) x the message.
 At 2 ranks both algorithms move the same bytes per rank (the one-shot reads the peer's copy, N;
-NCCL's ring sends N/2 and receives N/2 twice over), so the one-shot's single kernel and barrier
+NCCL's ring receives N/2 in each of its two phases), so the one-shot's single kernel and barrier
 win wherever its grid (24 blocks of 512 threads in torch's kernel) keeps the link as busy as
 NCCL: the 2 MiB bound takes every decode step up to batch 256 at hidden 4096 (batch 128 at
 8192), where NCCL's latency dominates, and leaves prefill chunks (2048 tokens at hidden 4096:
