@@ -241,6 +241,7 @@ def stage_size(setup: Setup, report: Report, size: int) -> None:
         report.line(f"TP={size}: {len(report.data['greedy'])} greedy requests done")
     finally:
         engine.shutdown()
+        Path(worker_stats).unlink(missing_ok=True)
 
 
 def _parts(parts: dict) -> str:
@@ -364,11 +365,15 @@ def _gap(x) -> str:
 
 
 def stage_serve(setup: Setup, report: Report) -> None:
+    with tempfile.TemporaryDirectory(prefix="tp-serve-") as tmp:
+        _serve(setup, report, Path(tmp))
+
+
+def _serve(setup: Setup, report: Report, folder: Path) -> None:
     from serve_process import ServeProcess
 
     from pagedattn.models.dummy import load_dummy_model, transformers_model
 
-    folder = Path(tempfile.mkdtemp(prefix="tp-serve-"))
     loaded = load_dummy_model(setup.shape, device=setup.device, dtype=setup.dtype, num_layers=2,
                               max_model_len=MAX_MODEL_LEN)
     transformers_model(loaded).save_pretrained(folder, safe_serialization=True)
