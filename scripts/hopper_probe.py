@@ -22,7 +22,7 @@ from pagedattn.benchmarks.kernels.cases import chunked_cases, prefill_cases
 from pagedattn.benchmarks.kernels.peers import prepare_flashinfer
 from pagedattn.benchmarks.kernels.raw import prepare_raw
 from pagedattn.benchmarks.kernels.step import NotApplicable
-from pagedattn.benchmarks.kernels.timing import median_event_ms
+from pagedattn.cuda_timing import median_event_ms
 from pagedattn.benchmarks.kernels.workload import make_workload
 from pagedattn.kernels import hopper_prefill as hp
 from pagedattn.kernels import store_kv

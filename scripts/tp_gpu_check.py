@@ -1,67 +1,70 @@
-"""Tensor parallelism on a 2-GPU machine, in one command (random weights, nothing downloaded):
+"""Tensor parallelism on a 2-GPU machine in one command of at most --budget seconds (540 by
+default), start-ups included; random weights, nothing downloaded. Stages in priority order, each
+in its own process under its own time budget: a stage cut by its budget keeps what it measured
+(each number is written as it is made) and the next stage starts.
 
-1. equal: Llama-3-8B shape, 64 requests (128 random prompt tokens, 64 greedy tokens, EOS
-   ignored) at TP=1 and TP=2: token equality; where a request diverges, its first divergent
-   position and the log-probabilities of both candidates on both sides (a near tie in bf16, or
-   not);
-2. decode: the decode step at batch 64 against its floor (TP=1: weights + KV; TP=2: per GPU, one
-   rank's weights and KV heads) and, at TP=2, the all-reduce time (2 x layers of them a step);
-3. throughput: 256 requests of 128/128 tokens, output tokens/s at TP=2 against TP=1 (a warm-up
-   run, then the median of 2);
-4. big: the Llama-3-70B shape at TP=2 with as many of its 80 layers as fit the two GPUs (all
-   of them where memory allows; the report says how many ran), its decode step at batch 64
-   against the floor per GPU;
-5. serve: `pagedattn serve --tensor-parallel-size 2` over a 2-layer Llama-3-8B-shaped checkpoint
-   written to a temporary folder, one /v1/completions request through the `openai` client (or
-   httpx where that package is not installed, said so), then SIGINT: the server and its worker
-   must be gone;
-6. fault: a TP=2 engine whose worker is killed (SIGKILL) mid-generate must raise an error naming
-   rank 1 within seconds, and leave no process.
+1. all-reduce: [64, 4096], [256, 4096] and [1024, 4096] bf16 (0.5, 2 and 8 MiB), summed by NCCL
+   and by the one-shot over symmetric memory, each in a CUDA graph of 64 calls (us a call), the
+   one-shot's sums against NCCL's, and which of the two the group picks for each size;
+2. tp1, 3. tp2: the Llama-3-8B shape at TP=1, then TP=2, one engine each: its start-up and
+   where it went (ranks spawned and joined, model, memory profile, warm-up and its Triton
+   compiles, graph capture); the decode step at batch 64 against its floor (per GPU at TP=2),
+   with the graph's replay and the all-reduce's time; 256 requests of 128/128 tokens, output
+   tokens/s, with where rank 0's steps went (waiting for the device, or host work) and at TP=2
+   the worker's host time a step; 64 greedy requests (128 prompt tokens, 64 out, top-2
+   log-probabilities). After both: how many greedy requests agree and, where one does not, its
+   first differing token and the log-probability gaps there; the throughput ratio;
+4. serve: `pagedattn serve --tensor-parallel-size 2` over a 2-layer checkpoint of the 8B shape,
+   one completion through the openai client (httpx where it is missing, said so), then SIGINT:
+   the server and its worker must be gone.
+The Llama-3-70B shape at TP=2 (its layers that fit): `pagedattn bench engine --model-shape
+llama3-70b --tensor-parallel-size 2 --num-layers N`.
 
-    python scripts/tp_gpu_check.py OUT [--parts equal,decode,throughput,big,serve,fault]
+    python scripts/tp_gpu_check.py OUT [--budget 540] [--stages all-reduce,tp1,tp2,serve] [--device cpu]
 
-Writes OUT/summary.txt (one line a check, written as each ends), OUT/tp_check.json (every
-number) and OUT/tp_check.log (the engine's INFO log). Parts 1-3 share one engine per TP size;
-about 6 minutes on two H100s. Targets (issue #31) are printed next to the measurements.
+Writes OUT/summary.txt (a line a measurement, as it ends; also printed), OUT/tp_check.json (every
+number; a running stage's own in OUT/stage-NAME.json until it is merged), OUT/tp_check.log (the
+engines' INFO log) and OUT/serve.log (the server's): four files. `--device cpu` rehearses every
+stage on gloo with a tiny model.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "tests")]
 
 import torch  # noqa: E402
 
-PARTS = ("equal", "decode", "throughput", "big", "serve", "fault")
-DEVICE = "cuda"  # module constants: a CPU rehearsal of this script's logic sets "cpu" and tiny shapes
-SHAPE, BIG = "llama3-8b", "llama3-70b"
-REQUESTS, PROMPT_LEN, OUTPUT_LEN = 64, 128, 64
-THROUGHPUT_REQUESTS = 256
-BIG_HEADROOM_GIB = 9.0  # per GPU beside the 70B shard: KV of batch 64, activations, graphs, NCCL, CUDA context
-TARGETS = {"decode_ratio": 1.3, "big_decode_ratio": 1.35, "speedup": 1.6}
-
-log = logging.getLogger("tp_gpu_check")
+STAGES = {"all-reduce": 75, "tp1": 150, "tp2": 170, "serve": 90}
+"""Seconds each stage may take, start-up included (measured 68-72 s for an 8B engine before)."""
+MIN_STAGE_S = 30  # a stage with less time left than this is skipped
+MAX_MODEL_LEN = 512
+"""Every request here fits (128 + 129 tokens). The warm-up's steps reach the context: at 512 it
+runs and compiles fewer of them than at the 4096 this check used before (their start-up: 70 s)."""
+REQUESTS, PROMPT_LEN, OUTPUT_LEN, THROUGHPUT_REQUESTS, DECODE_BATCH = 64, 128, 64, 256, 64
+TARGETS = {"decode_ratio": 1.3, "speedup": 1.6}
 
 
 class Report:
-    def __init__(self, out: Path) -> None:
-        self.out = out
-        self.data: dict = {"environment": _environment()}
+    """Numbers of a stage (or of the whole check) in `path`, rewritten on each `save`; lines
+    to stdout and OUT/summary.txt."""
+
+    def __init__(self, out: Path, path: Path) -> None:
+        self.out, self.path = out, path
+        self.data: dict = {}
 
     def line(self, text: str) -> None:
         print(text, flush=True)
@@ -70,114 +73,199 @@ class Report:
 
     def save(self, key: str, value) -> None:
         self.data[key] = value
-        (self.out / "tp_check.json").write_text(json.dumps(self.data, indent=2, default=str) + "\n")
+        self.path.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
 
 
-def _environment() -> dict:
-    import pagedattn
+class Setup:
+    """What the stages run on: the 8B shape on two GPUs, or (`--device cpu`) a tiny model on gloo
+    with fewer and shorter requests (a rehearsal of the logic)."""
 
-    cuda = torch.cuda.is_available()
-    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "pagedattn": pagedattn.__version__,
-           "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-           "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None}
+    def __init__(self, device: str) -> None:
+        self.device = device
+        cpu = device == "cpu"
+        self.shape = "tiny-llama" if cpu else "llama3-8b"
+        self.dtype = torch.float32 if cpu else torch.bfloat16
+        self.scale = 4 if cpu else 1  # request counts and lengths divided by it
+
+    def n(self, count: int) -> int:
+        return max(2, count // self.scale)
+
+
+# ---------------------------------------------------------------------- stage 1: the all-reduce
+
+
+def stage_all_reduce(setup: Setup, report: Report) -> None:
+    import torch.multiprocessing as mp
+
+    from pagedattn.parallel.group import Rendezvous
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    rendezvous = Rendezvous.local(2)
+    procs = [ctx.Process(target=_all_reduce_rank, args=(rank, rendezvous, setup.device, results)) for rank in (0, 1)]
+    for p in procs:
+        p.start()
     try:
-        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                       timeout=10, cwd=Path(__file__).resolve().parent).stdout.strip() or None
-    except OSError:
-        env["commit"] = None
-    return env
+        for _ in procs:
+            rank, value = results.get(timeout=STAGES["all-reduce"])
+            if rank == 0 or "error" in value:
+                report.save(f"rank{rank}", value)
+        value = report.data["rank0"]
+        if "error" in value:
+            raise RuntimeError(value["error"])
+        report.line(f"all-reduce: the group picks {value['picked']}")
+        for s in value["sizes"]:
+            one = f"{s['one_shot_us']:.1f} us (max |one-shot - NCCL| {s['max_diff']:g})" if s["one_shot_us"] else "-"
+            report.line(f"  [{s['rows']}, {s['hidden']}] {s['dtype']} ({s['bytes'] >> 10} KiB): {value['group']} "
+                        f"{s['group_us']:.1f} us, one-shot {one}; picked: {s['picked']}")
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
 
 
-def _loader(shape: str, num_layers: int | None = None, max_model_len: int = 4096):
-    from pagedattn.models.dummy import SHAPES, load_dummy_model
+def _all_reduce_rank(rank: int, rendezvous, device_type: str, results) -> None:
+    try:
+        results.put((rank, _time_all_reduces(rank, rendezvous, device_type)))
+    except BaseException as e:  # noqa: BLE001 - reported to the stage
+        results.put((rank, {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}))
 
-    max_model_len = min(max_model_len, SHAPES[shape]["max_position_embeddings"])
-    return functools.partial(load_dummy_model, shape, dtype=torch.bfloat16, max_model_len=max_model_len, seed=0,
+
+def _time_all_reduces(rank: int, rendezvous, device_type: str) -> dict:
+    from pagedattn.parallel.all_reduce import OneShotAllReduce, one_shot_max_bytes
+    from pagedattn.parallel.group import join, leave, time_all_reduce
+
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    tp = join(rendezvous, rank, device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    wide = None  # a one-shot beyond the group's bound, to time it where NCCL takes over
+    if tp.one_shot is not None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        buffer = symm_mem.empty(8 << 20, dtype=torch.uint8, device=device)
+        symm_mem.rendezvous(buffer, tp.device_group.group_name)
+        wide = OneShotAllReduce(buffer, tp.device_group.group_name, 8 << 20)
+    group = "NCCL" if device.type == "cuda" else "gloo"
+    out = {"group": group, "picked": tp.all_reduce_name, "one_shot_max_bytes": one_shot_max_bytes(2), "sizes": [],
+           "env": {k: os.environ.get(k) for k in ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "NCCL_NVLS_ENABLE")}}
+    for rows in (64, 256, 1024):
+        x = torch.zeros(rows, 4096, dtype=dtype, device=device)
+        entry = {"rows": rows, "hidden": 4096, "dtype": str(dtype).removeprefix("torch."),
+                 "bytes": x.numel() * x.element_size(),
+                 "picked": "one-shot" if tp.one_shot is not None and tp.one_shot.fits(x) else group,
+                 "group_us": time_all_reduce(tp, x, count=64, reps=20, all_reduce=tp.group_all_reduce) * 1e6,
+                 "one_shot_us": None, "max_diff": None}
+        if wide is not None:
+            entry["one_shot_us"] = time_all_reduce(tp, x, count=64, reps=20, all_reduce=wide) * 1e6
+            v = torch.randn(rows, 4096, generator=torch.Generator(device).manual_seed(rank), device=device).to(dtype)
+            entry["max_diff"] = (wide(v).float() - tp.group_all_reduce(v.clone()).float()).abs().max().item()
+        out["sizes"].append(entry)
+    torch.distributed.barrier()
+    leave(tp)
+    return out
+
+
+# ---------------------------------------------------------------------- stages 2-3: one engine a TP size
+
+
+def _loader(setup: Setup, shape: str, num_layers: int | None = None, max_model_len: int = MAX_MODEL_LEN):
+    from pagedattn.models.dummy import load_dummy_model
+
+    return functools.partial(load_dummy_model, shape, dtype=setup.dtype, max_model_len=max_model_len, seed=0,
                              num_layers=num_layers)
 
 
-def _engine(loader, size: int, **options):
+class StartUp:
+    """Seconds of an engine's start-up parts on rank 0 (every rank runs the same in step: their
+    collectives pair up) and the Triton compiles met (`CompileLog`): the rest of the total is
+    the model's loading (random weights made on the GPU) and the engine's own set-up."""
+
+    PARTS = {"spawn and join": ("pagedattn.engine.distributed", "TensorParallel", "__init__"),
+             "runner": ("pagedattn.engine.model_runner", "ModelRunner", "__init__"),
+             "of it profile and KV pool": ("pagedattn.engine.model_runner", "ModelRunner", "_num_kv_blocks"),
+             "of it warm-up": ("pagedattn.engine.model_runner", "ModelRunner", "_warm_up"),
+             "of it graph capture": ("pagedattn.engine.model_runner", "ModelRunner", "_capture_graphs")}
+
+    def __init__(self) -> None:
+        import importlib
+
+        from tp_host_time import Clock
+
+        self.clock = Clock()
+        for name, (module, cls, attr) in self.PARTS.items():
+            self.clock.wrap(getattr(importlib.import_module(module), cls), attr, name)
+
+    def parts(self, total: float, compiles) -> dict:
+        parts = {name: round(self.clock.wall.get(name, 0.0), 2) for name in self.PARTS}
+        parts["model and the rest"] = round(total - parts["spawn and join"] - parts["runner"], 2)
+        summary = compiles.summary()
+        return {"total_s": round(total, 2), "parts_s": parts, "triton_compiles": summary["count"],
+                "triton_compile_s": round(summary["seconds"], 2)}
+
+
+def stage_size(setup: Setup, report: Report, size: int) -> None:
+    from pagedattn.benchmarks import engine_offline as offline
+    from pagedattn.benchmarks.jit_log import CompileLog
     from pagedattn.engine.config import EngineConfig
     from pagedattn.engine.llm_engine import LLMEngine
+    from tp_host_time import worker_loader
 
-    config = EngineConfig(device=DEVICE, tensor_parallel_size=size, seed=0, **options)
-    return LLMEngine(config, loader if size > 1 else loader(device=torch.device(DEVICE)))
-
-
-def _free() -> None:
-    gc.collect()
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
-def _gpu_bytes() -> int:
-    """The smaller of the two GPUs' memory."""
-    return min(torch.cuda.mem_get_info(i)[1] for i in range(2))
-
-
-# ---------------------------------------------------------------------- parts 1-3, per TP size
-
-
-def run_size(size: int, parts: set[str], bandwidth: float, report: Report) -> dict:
-    from pagedattn.benchmarks import engine_offline as offline
-    from pagedattn.engine.sampling_params import SamplingParams
-
+    device = torch.device(setup.device)
+    bandwidth = offline.copy_bandwidth(device, 1 << 30)
+    report.save("copy_bandwidth_gb_s", bandwidth / 1e9)
+    worker_stats = tempfile.mktemp(prefix="tp-worker-", suffix=".json")
+    loader = _loader(setup, setup.shape)
+    startup = StartUp()
     start = time.perf_counter()
-    engine = _engine(_loader(SHAPE), size, max_num_seqs=max(THROUGHPUT_REQUESTS, 64))
-    result = {"start_up_s": time.perf_counter() - start, "num_kv_blocks": engine.block_manager.num_blocks,
-              "weight_bytes_per_gpu": offline.weight_bytes_read(engine.runner.model)}
-    report.line(f"TP={size}: engine up in {result['start_up_s']:.0f} s, {result['num_kv_blocks']} KV blocks, "
-                f"{result['weight_bytes_per_gpu'] / 1e9:.2f} GB of weights read a step per GPU")
+    with CompileLog() as compiles:
+        loaded = functools.partial(worker_loader, worker_stats, loader) if size > 1 else loader(device=device)
+        config = EngineConfig(device=setup.device, tensor_parallel_size=size, seed=0,
+                              max_num_seqs=max(setup.n(THROUGHPUT_REQUESTS), DECODE_BATCH))
+        engine = LLMEngine(config, loaded)
+    up = startup.parts(time.perf_counter() - start, compiles)
+    up.update(num_kv_blocks=engine.block_manager.num_blocks, weight_bytes_per_gpu=offline.weight_bytes_read(
+        engine.runner.model), all_reduce=engine.parallel.tp.all_reduce_name if engine.parallel else None)
+    report.save("start_up", up)
+    report.line(f"TP={size}: engine up in {up['total_s']:.0f} s ({_parts(up['parts_s'])}; "
+                f"{up['triton_compiles']} Triton compiles, {up['triton_compile_s']:.0f} s); all-reduce: "
+                f"{up['all_reduce']}")
     try:
-        if "equal" in parts:
-            lengths = [(PROMPT_LEN, OUTPUT_LEN)] * REQUESTS
-            requests = offline.make_requests(lengths, vocab_size=engine.spec.vocab_size, seed=0, rep=0)
-            params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True, logprobs=2)
-            outs = engine.generate([r.prompt for r in requests], [params] * REQUESTS)
-            result["greedy"] = [{"tokens": o.outputs[0].token_ids,
-                                 "top": [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]}
-                                for o in outs]
-        if "throughput" in parts:
-            lengths = [(128, 128)] * THROUGHPUT_REQUESTS
-            cell = offline.measure(lambda rep: offline.run_ours(engine, offline.make_requests(
-                lengths, vocab_size=engine.spec.vocab_size, seed=0, rep=rep)), 2, 120.0, lambda: None)
-            result["throughput"] = {k: cell[k] for k in ("tokens_per_s", "runs_s", "median_s", "note")}
-            report.line(f"TP={size}: 128/128 x {THROUGHPUT_REQUESTS}: {cell['tokens_per_s']:.0f} output tokens/s "
-                        f"(runs {cell['runs_s']} s)")
-        if "decode" in parts:
-            result["decode"] = _decode(engine, result["weight_bytes_per_gpu"], bandwidth, size)
-            target = TARGETS["decode_ratio"] if size > 1 else None
-            report.line(_decode_line(f"TP={size} {SHAPE}", result["decode"], target))
+        decode = _decode(engine, up["weight_bytes_per_gpu"], bandwidth, size)
+        report.save("decode", decode)
+        report.line(_decode_line(f"TP={size} {setup.shape}", decode, TARGETS["decode_ratio"] if size > 1 else None))
+        report.save("throughput", _throughput(setup, engine, size, worker_stats, report))
+        report.save("greedy", _greedy(setup, engine))
+        report.line(f"TP={size}: {len(report.data['greedy'])} greedy requests done")
     finally:
         engine.shutdown()
-        engine = None  # the last reference: its memory goes before the next engine's
-        _free()
-    return result
+        Path(worker_stats).unlink(missing_ok=True)
+
+
+def _parts(parts: dict) -> str:
+    return ", ".join(f"{k} {v:.0f} s" for k, v in parts.items())
 
 
 def _decode(engine, weight_bytes: int, bandwidth: float, size: int) -> dict:
     from pagedattn.benchmarks import engine_offline as offline
 
-    d = offline.decode_step(engine, batch=64, prompt_len=128, steps=128, seed=0, weight_bytes=weight_bytes,
-                            bandwidth=bandwidth)
-    all_reduce = engine.runner.time_all_reduce(64)
+    d = offline.decode_step(engine, batch=DECODE_BATCH, prompt_len=PROMPT_LEN, steps=128, seed=0,
+                            weight_bytes=weight_bytes, bandwidth=bandwidth)
+    all_reduce = engine.runner.time_all_reduce(DECODE_BATCH)
     if all_reduce is not None:
         layers = engine.spec.num_layers
         d.update(all_reduce_s=all_reduce, all_reduce_step_s=2 * layers * all_reduce)
-    engine.async_scheduling = False  # the host's share: each step read before the next is queued
-    d["sync_median_step_s"] = offline.decode_step(engine, batch=64, prompt_len=128, steps=64, seed=1,
-                                                  weight_bytes=weight_bytes, bandwidth=bandwidth)["median_step_s"]
-    engine.async_scheduling = True
     d["tensor_parallel_size"] = size
     return d
 
 
 def _decode_line(name: str, d: dict, target: float | None) -> str:
-    text = (f"{name} decode step at batch 64: {d['median_step_s'] * 1e3:.2f} ms, floor"
+    replay = f"{d['graph_replay_s'] * 1e3:.2f} ms" if d.get("graph_replay_s") else "n/a"
+    text = (f"{name} decode step at batch {DECODE_BATCH}: {d['median_step_s'] * 1e3:.2f} ms, floor"
             f"{' per GPU' if d['tensor_parallel_size'] > 1 else ''} {d['floor_s'] * 1e3:.2f} ms "
-            f"({d['ratio_to_floor']:.2f}x); graph replay {(d['graph_replay_s'] or 0) * 1e3:.2f} ms; "
-            f"sync {d['sync_median_step_s'] * 1e3:.2f} ms")
+            f"({d['ratio_to_floor']:.2f}x); graph replay {replay}")
     if "all_reduce_s" in d:
         text += f"; all-reduce {d['all_reduce_s'] * 1e6:.1f} us, {d['all_reduce_step_s'] * 1e3:.2f} ms a step"
     if target is not None:
@@ -185,185 +273,143 @@ def _decode_line(name: str, d: dict, target: float | None) -> str:
     return text
 
 
-def compare(one: dict, two: dict, report: Report) -> dict:
+def _throughput(setup: Setup, engine, size: int, worker_stats: str, report: Report) -> dict:
+    """Output tokens/s of THROUGHPUT_REQUESTS x 128/128 (a warm-up run, the median of 2), and over
+    those runs: rank 0's mean step, its wait for the device's draws, and the worker's host time."""
+    from pagedattn.benchmarks import engine_offline as offline
+    from pagedattn.engine import launched_step
+    from pagedattn.engine.llm_engine import LLMEngine
+    from tp_host_time import Clock
+
+    clock = Clock()
+    clock.wrap(LLMEngine, "step", "step")
+    clock.wrap(launched_step._HostCopy, "get", "wait for the device")
+    before = _read_json(worker_stats)
+    n, length = setup.n(THROUGHPUT_REQUESTS), setup.n(128)
+    lengths = [(length, length)] * n
+    cell = offline.measure(lambda rep: offline.run_ours(engine, offline.make_requests(
+        lengths, vocab_size=engine.spec.vocab_size, seed=0, rep=rep)), 2, 120.0, lambda: None)
+    steps = clock.calls["step"]
+    out = {k: cell[k] for k in ("tokens_per_s", "runs_s", "median_s", "note")}
+    wait = clock.wall["wait for the device"]  # the wait spins (a CPU busy all the while): wall time apart
+    step = clock.wall["step"]
+    out["rank0_per_step_ms"] = {"step": step * 1e3 / steps, "host": (step - wait) * 1e3 / steps,
+                                "waiting for the device": wait * 1e3 / steps, "steps": steps}
+    worker = _read_json(worker_stats)
+    if worker and before:
+        calls = worker["calls"]["execute"] - before["calls"]["execute"]
+        cpu = {k: (v - before["cpu"].get(k, 0.0)) * 1e3 / max(1, calls) for k, v in worker["cpu"].items()}
+        out["worker_per_step_ms"] = {"host": cpu.get("receive", 0) + cpu.get("execute", 0),
+                                     "unpickle": cpu.get("receive", 0) - cpu.get("pipe read", 0),
+                                     "execute": cpu.get("execute", 0), "steps": calls}
+    r = out["rank0_per_step_ms"]
+    worker = f"; worker host {out['worker_per_step_ms']['host']:.2f} ms" if "worker_per_step_ms" in out else ""
+    report.line(f"TP={size}: {n} x {length}/{length}: {cell['tokens_per_s']:.0f} output tokens/s (runs "
+                f"{cell['runs_s']} s); rank 0 a step: {r['step']:.2f} ms, host {r['host']:.2f} ms, waiting for the "
+                f"device {r['waiting for the device']:.2f} ms{worker}")
+    return out
+
+
+def _read_json(path: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _greedy(setup: Setup, engine) -> list[dict]:
+    from pagedattn.benchmarks import engine_offline as offline
+    from pagedattn.engine.sampling_params import SamplingParams
+
+    n, out_len = setup.n(REQUESTS), setup.n(OUTPUT_LEN)
+    requests = offline.make_requests([(setup.n(PROMPT_LEN), out_len)] * n, vocab_size=engine.spec.vocab_size,
+                                     seed=0, rep=0)
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True, logprobs=2)
+    outs = engine.generate([r.prompt for r in requests], [params] * n)
+    return [{"tokens": o.outputs[0].token_ids,
+             "top": [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]} for o in outs]
+
+
+def compare(one: list[dict], two: list[dict], report: Report) -> dict:
     """Token equality of the greedy runs; at each request's first divergence, both candidates'
     log-probabilities on both sides (the gap between them is the logit gap: same normalizer)."""
-    equal, diverged = 0, []
-    for i, (a, b) in enumerate(zip(one["greedy"], two["greedy"])):
+    equal, diverged, agree = 0, [], []
+    for i, (a, b) in enumerate(zip(one, two)):
+        for ta, tb, x, y in zip(a["tokens"], b["tokens"], a["top"], b["top"]):
+            if ta != tb:
+                break
+            agree.append(abs(x[str(ta)] - y[str(tb)]))  # JSON keys are strings
         if a["tokens"] == b["tokens"]:
             equal += 1
             continue
         j = next(k for k, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y)
-        ta, tb = a["tokens"][j], b["tokens"][j]
-        top_a, top_b = a["top"][j], b["top"][j]
+        ta, tb, top_a, top_b = str(a["tokens"][j]), str(b["tokens"][j]), a["top"][j], b["top"][j]
         diverged.append({"request": i, "position": j, "tp1_token": ta, "tp2_token": tb,
-                         "tp1_logprobs": {ta: top_a.get(ta), tb: top_a.get(tb)},
-                         "tp2_logprobs": {ta: top_b.get(ta), tb: top_b.get(tb)},
-                         "tp1_gap": None if top_a.get(tb) is None else top_a[ta] - top_a[tb],
-                         "tp2_gap": None if top_b.get(ta) is None else top_b[tb] - top_b[ta]})
-    agree = []  # |log-probability difference| of the chosen token, while both sides chose the same ones
-    for a, b in zip(one["greedy"], two["greedy"]):
-        for ta, tb, x, y in zip(a["tokens"], b["tokens"], a["top"], b["top"]):
-            if ta != tb:
-                break
-            agree.append(abs(x[ta] - y[tb]))
-    result = {"requests": len(one["greedy"]), "equal": equal, "diverged": diverged,
+                         "tp1_gap": None if tb not in top_a else top_a[ta] - top_a[tb],
+                         "tp2_gap": None if ta not in top_b else top_b[tb] - top_b[ta]})
+    result = {"requests": len(one), "equal": equal, "diverged": diverged,
               "max_logprob_diff_on_equal_tokens": max(agree, default=0.0)}
-    report.line(f"equal: {equal}/{len(one['greedy'])} requests give the same {OUTPUT_LEN} greedy tokens at TP=2 "
-                f"as at TP=1; chosen-token log-probability differences up to "
-                f"{result['max_logprob_diff_on_equal_tokens']:.4f} where the tokens agree")
+    report.line(f"equal: {equal}/{len(one)} greedy requests give the same tokens at TP=2 as at TP=1; chosen-token "
+                f"log-probabilities differ by up to {result['max_logprob_diff_on_equal_tokens']:.4f} where they agree")
     for d in diverged[:8]:
-        report.line(f"  request {d['request']} diverges at token {d['position']}: TP=1 {d['tp1_token']} vs TP=2 "
-                    f"{d['tp2_token']}; gap TP=1 {_fmt(d['tp1_gap'])}, TP=2 {_fmt(d['tp2_gap'])} nats")
+        report.line(f"  request {d['request']} differs first at token {d['position']}: TP=1 {d['tp1_token']} vs TP=2 "
+                    f"{d['tp2_token']}; top-2 gap TP=1 {_gap(d['tp1_gap'])}, TP=2 {_gap(d['tp2_gap'])} nats")
     return result
 
 
-def _fmt(x) -> str:
+def _gap(x) -> str:
     return "n/a (not in the top 2)" if x is None else f"{x:.4f}"
 
 
-# ---------------------------------------------------------------------- part 4: the 70B shape
+# ---------------------------------------------------------------------- stage 4: the server
 
 
-def run_big(bandwidth: float, report: Report, utilization: float) -> dict:
-    from pagedattn.benchmarks import engine_offline as offline
-    from pagedattn.models.dummy import SHAPES
-
-    s = SHAPES[BIG]
-    total = _gpu_bytes()
-    hidden, inter = s["hidden_size"], s["intermediate_size"]
-    heads, kv = s["num_attention_heads"], s["num_key_value_heads"]
-    head = hidden // heads
-    # bf16 bytes a layer holds on each of 2 ranks: q/k/v, o, gate/up and down
-    per_layer = (hidden * (heads + 2 * kv) * head + heads * head * hidden + 3 * hidden * inter) * 2 / 2
-    fixed = 2 * s["vocab_size"] * hidden * 2 / 2  # embedding and head
-    fit = int((total * utilization - fixed - BIG_HEADROOM_GIB * 2**30) // per_layer)
-    layers = max(1, min(s["num_hidden_layers"], fit))
-    for attempt in range(2):  # the estimate may be a little too hopeful: then 80% of its layers
-        report.line(f"big: {BIG} at TP=2 with {layers} of {s['num_hidden_layers']} layers ({per_layer / 2**30:.2f} "
-                    f"GiB a layer a GPU, {total / 2**30:.1f} GiB GPUs at gpu_memory_utilization {utilization})")
-        start = time.perf_counter()
-        try:
-            engine = _engine(_loader(BIG, None if layers == s["num_hidden_layers"] else layers, max_model_len=1024),
-                             2, max_num_seqs=64, max_num_batched_tokens=2048, gpu_memory_utilization=utilization)
-            break
-        except Exception as e:  # noqa: BLE001 - out of memory on either rank (a worker's comes as WorkerError)
-            if attempt:
-                raise
-            report.line(f"big: {layers} layers do not fit ({type(e).__name__}: {str(e)[:200]}); trying fewer")
-            _free()
-            layers = int(layers * 0.8)
-    try:
-        weight_bytes = offline.weight_bytes_read(engine.runner.model)
-        result = {"layers": layers, "all_layers": layers == s["num_hidden_layers"],
-                  "start_up_s": time.perf_counter() - start, "num_kv_blocks": engine.block_manager.num_blocks,
-                  "weight_bytes_per_gpu": weight_bytes,
-                  "decode": _decode(engine, weight_bytes, bandwidth, 2)}
-        report.line(_decode_line(f"TP=2 {BIG} ({layers} layers)", result["decode"], TARGETS["big_decode_ratio"]))
-    finally:
-        engine.shutdown()
-        engine = None
-        _free()
-    return result
+def stage_serve(setup: Setup, report: Report) -> None:
+    with tempfile.TemporaryDirectory(prefix="tp-serve-") as tmp:
+        _serve(setup, report, Path(tmp))
 
 
-# ---------------------------------------------------------------------- part 5: the server
+def _serve(setup: Setup, report: Report, folder: Path) -> None:
+    from serve_process import ServeProcess
 
+    from pagedattn.models.dummy import load_dummy_model, transformers_model
 
-def run_serve(report: Report) -> dict:
-    from pagedattn.models.dummy import SHAPES, load_dummy_model, transformers_model
-
-    folder = Path(tempfile.mkdtemp(prefix="tp-serve-"))
-    max_len = min(2048, SHAPES[SHAPE]["max_position_embeddings"])
-    loaded = load_dummy_model(SHAPE, device=DEVICE, dtype=torch.bfloat16, num_layers=2, max_model_len=max_len)
+    loaded = load_dummy_model(setup.shape, device=setup.device, dtype=setup.dtype, num_layers=2,
+                              max_model_len=MAX_MODEL_LEN)
     transformers_model(loaded).save_pretrained(folder, safe_serialization=True)
     loaded.tokenizer.save_pretrained(folder)
     del loaded
-    _free()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [sys.executable, "-m", "pagedattn", "serve", "--model", str(folder), "--tensor-parallel-size", "2",
-               "--port", str(port), "--max-model-len", str(max_len), "--max-num-seqs", "32", "--log-level", "warning",
-               "--device", DEVICE]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    logfile = (report.out / "serve.log").open("w")
-    start = time.perf_counter()
-    server = subprocess.Popen(command, stdout=logfile, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    result: dict = {"command": " ".join(command)}
-    try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_ready(url, server, 300)
-        result["ready_s"] = time.perf_counter() - start
-        workers = _children(server.pid)  # the tensor-parallel worker (and multiprocessing's resource tracker)
-        result["children"] = {pid: _cmdline(pid) for pid in workers}
+    args = ["--model", str(folder), "--tensor-parallel-size", "2", "--max-model-len", str(MAX_MODEL_LEN),
+            "--max-num-seqs", "32", "--log-level", "warning", "--device", setup.device]
+    result: dict = {"command": "pagedattn serve " + " ".join(args)}
+    with (report.out / "serve.log").open("w") as log, ServeProcess(args, log=log) as server:
+        result["ready_s"] = server.wait_ready(STAGES["serve"] - 20)
+        workers = server.children()  # the tensor-parallel worker (and multiprocessing's resource tracker)
         prompt = " ".join(f"t{i}" for i in range(100, 132))
         try:
             import openai
 
-            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
             answer = client.completions.create(model=folder.name, prompt=prompt, max_tokens=16, temperature=0)
             result.update(client=f"openai {openai.__version__}", text=answer.choices[0].text,
                           completion_tokens=answer.usage.completion_tokens)
         except ImportError:
             import httpx
 
-            body = httpx.post(f"{url}/v1/completions", json={"model": folder.name, "prompt": prompt, "max_tokens": 16,
-                                                             "temperature": 0}, timeout=60).json()
+            request = {"model": folder.name, "prompt": prompt, "max_tokens": 16, "temperature": 0}
+            body = httpx.post(f"{server.url}/v1/completions", json=request, timeout=60).json()
             result.update(client=f"httpx {httpx.__version__} (the openai package is not installed here)",
                           text=body["choices"][0]["text"], completion_tokens=body["usage"]["completion_tokens"])
-        os.killpg(server.pid, signal.SIGINT)  # a terminal's Ctrl-C: the server and its worker
-        result["exit_code"] = server.wait(timeout=60)
-        deadline = time.monotonic() + 10
-        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        result["left"] = {pid: _cmdline(pid) for pid in workers if _alive(pid)}
-        result["gone_after_s"] = time.perf_counter() - start - result["ready_s"]
-    finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGKILL)
-        logfile.close()
-    ok = result.get("completion_tokens") == 16 and not result["left"]
-    report.line(f"serve: [{'met' if ok else 'NOT met'}] ready in {result['ready_s']:.0f} s with children "
-                f"{result['children']}; {result['client']} got {result['completion_tokens']} tokens "
+        result["exit_code"] = server.stop(60)  # SIGINT to its process group: a terminal's Ctrl-C
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    result["left"] = [pid for pid in workers if _alive(pid)]
+    report.save("serve", result)
+    ok = result.get("completion_tokens") == 16 and not result["left"] and result["exit_code"] == 0
+    report.line(f"serve: [{'met' if ok else 'NOT met'}] ready in {result['ready_s']:.0f} s with {len(workers)} "
+                f"child processes; {result['client']} got {result['completion_tokens']} tokens "
                 f"{result['text'][:60]!r}; after SIGINT exit {result['exit_code']}, left: {result['left'] or 'none'}")
-    return result
-
-
-def _wait_ready(url: str, server, timeout_s: float) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited with {server.returncode} before answering (serve.log)")
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    raise TimeoutError(f"the server did not answer within {timeout_s:.0f} s")
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                kids.append(int(entry))
-    return kids
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ").strip()[:120]
-    except OSError:
-        return "?"
 
 
 def _alive(pid: int) -> bool:
@@ -374,93 +420,101 @@ def _alive(pid: int) -> bool:
     return True
 
 
-# ---------------------------------------------------------------------- part 6: a dead worker
+# ---------------------------------------------------------------------- the stages' processes
 
 
-def run_fault(report: Report) -> dict:
-    from pagedattn.engine.sampling_params import SamplingParams
-
-    engine = _engine(_loader(SHAPE, num_layers=2), 2, max_num_seqs=64)
-    pid = engine.worker_pids[1]
-    params = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
-    for i in range(32):
-        engine.add_request(list(range(i, i + 64)), params)
-    threading.Timer(2.0, os.kill, (pid, signal.SIGKILL)).start()
-    start, error = time.perf_counter(), None
+def run_stage(name: str, out: Path, device: str) -> int:
+    """One stage in this process (the orchestrator's child)."""
+    logging.basicConfig(filename=out / "tp_check.log", level=logging.INFO,
+                        format=f"%(asctime)s {name} %(process)d %(name)s %(levelname)s: %(message)s")
+    setup = Setup(device)
+    report = Report(out, out / f"stage-{name}.json")
+    fn = {"all-reduce": stage_all_reduce, "tp1": functools.partial(stage_size, size=1),
+          "tp2": functools.partial(stage_size, size=2), "serve": stage_serve}[name]
     try:
-        while engine.has_unfinished():
-            engine.step()
-    except RuntimeError as e:
-        error = str(e)
-    elapsed = time.perf_counter() - start - 2.0
-    time.sleep(1.0)
-    result = {"error": error, "seconds_after_kill": elapsed, "worker_left": _alive(pid)}
-    ok = error is not None and "rank 1" in error and elapsed < 30 and not result["worker_left"]
-    report.line(f"fault: [{'met' if ok else 'NOT met'}] worker killed mid-generate -> {error!r} "
-                f"{elapsed:.1f} s after the kill; worker process left: {result['worker_left']}")
-    del engine
-    _free()
-    return result
+        fn(setup, report)
+        return 0
+    except Exception as e:  # noqa: BLE001 - recorded; the orchestrator goes on
+        report.save("error", {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+        report.line(f"{name}: FAILED: {type(e).__name__}: {str(e)[:300]}")
+        return 1
 
 
-# ---------------------------------------------------------------------- main
+def orchestrate(out: Path, stages: list[str], budget: float, device: str) -> int:
+    for old in [out / "summary.txt", out / "tp_check.log", *out.glob("stage-*.json")]:
+        old.unlink(missing_ok=True)
+    report = Report(out, out / "tp_check.json")
+    report.save("environment", _environment())
+    report.line(f"tp_gpu_check: stages {stages} within {budget:.0f} s on {report.data['environment']}")
+    deadline = time.monotonic() + budget
+    failed = False
+    for name in stages:
+        left = deadline - time.monotonic()
+        if left < MIN_STAGE_S:
+            report.line(f"{name}: skipped, {left:.0f} s left of the budget")
+            failed = True
+            continue
+        limit = min(STAGES[name], left)
+        start = time.monotonic()
+        child = subprocess.Popen([sys.executable, __file__, str(out), "--stage", name, "--device", device],
+                                 start_new_session=True)
+        try:
+            code = child.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)  # the stage and its workers
+            child.wait()
+            code = None
+            report.line(f"{name}: cut at its budget of {limit:.0f} s; what it measured is kept")
+        failed |= code != 0
+        stage_path = out / f"stage-{name}.json"
+        report.save(name, dict(_read_json(str(stage_path)), seconds=round(time.monotonic() - start, 1),
+                               exit_code=code))
+        stage_path.unlink(missing_ok=True)  # merged: OUT keeps few files (what comes back from a GPU run is counted)
+    one, two = report.data.get("tp1", {}), report.data.get("tp2", {})
+    if "greedy" in one and "greedy" in two:
+        report.save("equal", compare(one["greedy"], two["greedy"], report))
+    if "throughput" in one and "throughput" in two:
+        speedup = two["throughput"]["tokens_per_s"] / one["throughput"]["tokens_per_s"]
+        report.save("speedup", speedup)
+        report.line(f"throughput: [{'met' if speedup >= TARGETS['speedup'] else 'NOT met'}] TP=2 is {speedup:.2f}x "
+                    f"TP=1 (target >= {TARGETS['speedup']}x)")
+    return 1 if failed else 0
+
+
+def _environment() -> dict:
+    """Versions, GPUs and commit, read without a CUDA context here (the stages' processes hold
+    the GPUs: a context in this one would take memory from their KV pools)."""
+    import pagedattn
+
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "pagedattn": pagedattn.__version__,
+           "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.version.cuda else None}
+    for key, command in (("gpus", ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]),
+                         ("commit", ["git", "rev-parse", "--short", "HEAD"])):
+        try:
+            env[key] = subprocess.run(command, capture_output=True, text=True, timeout=20, cwd=ROOT).stdout.split("\n")
+            env[key] = [line for line in env[key] if line.strip()]
+        except (OSError, subprocess.TimeoutExpired):
+            env[key] = None
+    return env
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("out", help="folder for summary.txt, tp_check.json, tp_check.log, serve.log")
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)} (default: all)")
-    p.add_argument("--big-utilization", type=float, default=0.95,
-                   help="gpu_memory_utilization of the 70B shape (default 0.95)")
+    p.add_argument("out", help="folder for summary.txt, tp_check.json and the logs")
+    p.add_argument("--stages", default=",".join(STAGES), help=f"comma list of {', '.join(STAGES)}, run in this "
+                   "order (default: all)")
+    p.add_argument("--budget", type=float, default=540.0, help="seconds for the whole check (default 540)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a rehearsal on gloo, tiny model")
+    p.add_argument("--stage", help=argparse.SUPPRESS)  # run one stage in this process (the orchestrator's child)
     args = p.parse_args()
-    parts = set(args.parts.split(","))
-    if parts - set(PARTS) or (DEVICE == "cuda" and torch.cuda.device_count() < 2):
-        p.error(f"expected --parts from {PARTS} and 2 GPUs, got {sorted(parts)} and {torch.cuda.device_count()}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    logging.basicConfig(filename=out / "tp_check.log", level=logging.INFO,
-                        format="%(asctime)s %(process)d %(name)s %(levelname)s: %(message)s")
-    report = Report(out)
-    report.line(f"tp_gpu_check on {report.data['environment']}")
-    from pagedattn.benchmarks.engine_offline import copy_bandwidth
-
-    bandwidth = copy_bandwidth(torch.device(DEVICE), 1 << 30)
-    report.save("copy_bandwidth_gb_s", bandwidth / 1e9)
-    report.line(f"copy bandwidth (GPU 0): {bandwidth / 1e9:.0f} GB/s")
-    failed = False
-
-    def attempt(name: str, fn, *fn_args):
-        nonlocal failed
-        start = time.perf_counter()
-        try:
-            value = fn(*fn_args)
-            report.save(name, value)
-            return value
-        except Exception as e:  # noqa: BLE001 - the other parts still run
-            failed = True
-            report.line(f"{name}: FAILED after {time.perf_counter() - start:.0f} s: {type(e).__name__}: {e}")
-            log.error("%s failed:\n%s", name, traceback.format_exc())
-            report.save(name, {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
-            return None
-
-    sized = parts & {"equal", "decode", "throughput"}
-    if sized:
-        one = attempt("tp1", run_size, 1, sized, bandwidth, report)
-        two = attempt("tp2", run_size, 2, sized, bandwidth, report)
-        if one and two and "equal" in parts:
-            attempt("equal", compare, one, two, report)
-        if one and two and "throughput" in parts:
-            speedup = two["throughput"]["tokens_per_s"] / one["throughput"]["tokens_per_s"]
-            report.save("speedup", speedup)
-            report.line(f"throughput: [{'met' if speedup >= TARGETS['speedup'] else 'NOT met'}] TP=2 is {speedup:.2f}x "
-                        f"TP=1 (target >= {TARGETS['speedup']}x)")
-    if "big" in parts:
-        attempt("big", run_big, bandwidth, report, args.big_utilization)
-    if "serve" in parts:
-        attempt("serve", run_serve, report)
-    if "fault" in parts:  # last: an aborted NCCL group is not reused in this process
-        attempt("fault", run_fault, report)
-    return 1 if failed else 0
+    if args.stage:
+        return run_stage(args.stage, out, args.device)
+    stages = args.stages.split(",")
+    if set(stages) - set(STAGES) or (args.device == "cuda" and torch.cuda.device_count() < 2):
+        p.error(f"expected --stages from {list(STAGES)} and 2 GPUs, got {stages} and {torch.cuda.device_count()}")
+    return orchestrate(out, stages, args.budget, args.device)
 
 
 if __name__ == "__main__":

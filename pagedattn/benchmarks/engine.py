@@ -256,7 +256,8 @@ def _bench_shape(shape: str, s: dict, bandwidth: float, rows: list[dict], bar) -
     all_reduce = engine.runner.time_all_reduce(DECODE_BATCH)
     if all_reduce is not None:
         info["decode_step"].update(all_reduce_s=all_reduce, all_reduces_per_step=2 * spec.num_layers,
-                                   all_reduce_step_s=2 * spec.num_layers * all_reduce)
+                                   all_reduce_step_s=2 * spec.num_layers * all_reduce,
+                                   all_reduce=engine.parallel.tp.all_reduce_name)
     if engine.async_scheduling:  # the same steps, each read before the next is queued: what async hides
         engine.async_scheduling = False
         info["decode_step_sync"] = offline.decode_step(engine, **step)

@@ -227,7 +227,8 @@ def print_summary(result: dict) -> None:
               + (f"; model and output head alone (graph replay) {d['graph_replay_s'] * 1e3:.2f} ms"
                  if d.get("graph_replay_s") else "")
               + (f"; all-reduce {d['all_reduce_s'] * 1e6:.1f} us x {d['all_reduces_per_step']} = "
-                 f"{d['all_reduce_step_s'] * 1e3:.2f} ms a step" if d.get("all_reduce_s") is not None else "")
+                 f"{d['all_reduce_step_s'] * 1e3:.2f} ms a step ({d.get('all_reduce', 'NCCL')})"
+                 if d.get("all_reduce_s") is not None else "")
               + (f"; without async scheduling {sync['median_step_s'] * 1e3:.2f} ms" if sync else ""))
         o = s.get("online")
         if o:

@@ -24,6 +24,7 @@ def run(_args: argparse.Namespace) -> int:
 
     import pagedattn
     from pagedattn.device_profile import DeviceProfile
+    from pagedattn.parallel.all_reduce import planned
 
     print(f"pagedattn {pagedattn.__version__}")
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {_version('triton')}, "
@@ -53,4 +54,9 @@ def run(_args: argparse.Namespace) -> int:
     except pagedattn.BackendUnavailableError as e:
         auto = f"none ({e})"
     print(f"auto -> {auto}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus >= 2:
+        print(f"tensor-parallel all-reduce over {gpus} GPUs: {planned(torch.device('cuda', 0), gpus)}")
+    else:
+        print(f"tensor-parallel all-reduce: {planned(torch.device('cpu'), 2)}")
     return 0

@@ -30,6 +30,7 @@ import torch
 
 from pagedattn.attention.backend import AttentionBackend
 from pagedattn.attention.state import AttentionState
+from pagedattn.cuda_timing import median_event_ms
 from pagedattn.engine.step_metadata import GroupedMetadataBuilder, StepMetadata, group_impls
 
 logger = logging.getLogger(__name__)
@@ -148,18 +149,8 @@ class DecodeGraphs:
         replayed: the median of `reps` timed back to back, its inputs as the last step left them;
         None when no graph holds the batch. It rewrites the K/V slots that step wrote, with the
         same values: call it between steps of running requests."""
-        if reps < 1:
-            raise ValueError(f"expected reps >= 1, got {reps}")
         size = self.size_for(batch_size)
         if size is None:
             return None
         graph = self._graphs[self._last[0] if self._last else None, size].graph
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            times.append((start, end))
-        torch.cuda.synchronize(self.device)
-        return sorted(s.elapsed_time(e) for s, e in times)[reps // 2] / 1e3
+        return median_event_ms(graph.replay, reps, warmup=0) / 1e3

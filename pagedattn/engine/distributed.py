@@ -106,6 +106,7 @@ class TensorParallel:
             raise
         self._finalizer = weakref.finalize(self, _stop, self.tp, self.workers, graceful=True)
         _active.add(self)
+        logger.info("tensor parallelism over %d ranks; all-reduce: %s", size, self.tp.all_reduce_name)
 
     @property
     def worker_pids(self) -> dict[int, int]:

@@ -5,7 +5,9 @@ the model's layers and the engine's step hand-off use.
   all-reduces of row-parallel layers, the all-gather of the vocab-parallel output head, and
   the step's device tensors that only rank 0 holds (token ids drawn on its GPU: async
   scheduling, multi-step decoding). Its collectives are queued on the device stream, never
-  wait for the host, and are captured in the decode CUDA graphs;
+  wait for the host, and are captured in the decode CUDA graphs. On GPUs of one host with
+  peer access, all-reduces of decode-step sizes run a one-shot kernel over symmetric memory
+  instead of NCCL (`pagedattn.parallel.all_reduce`); `TPGroup.all_reduce_name` says which;
 - the channel (`pagedattn.parallel.channel`): rank 0's messages, once per step, on the host
   (`send` / `receive`).
 
@@ -20,6 +22,7 @@ collective is the identity, so models built for tensor parallelism run unchanged
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import pickle
 import socket
@@ -30,6 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedattn.cuda_timing import capture, median_event_ms
+from pagedattn.parallel.all_reduce import OneShotAllReduce, make_one_shot
 from pagedattn.parallel.channel import IDLE_TIMEOUT, GlooChannel
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
@@ -54,6 +59,13 @@ class Rendezvous:
     """This process's rank when `launched` (torchrun's RANK)."""
     local_rank: int = 0
     """This process's GPU on its host when `launched` (torchrun's LOCAL_RANK)."""
+    local_world_size: int | None = None
+    """Ranks on this host (torchrun's LOCAL_WORLD_SIZE; None: unknown); `local` ranks all are."""
+
+    @property
+    def one_host(self) -> bool:
+        """Whether every rank runs on this host (so their GPUs may map each other's memory)."""
+        return not self.launched or self.local_world_size == self.world_size
 
     @classmethod
     def local(cls, world_size: int) -> Rendezvous:
@@ -76,11 +88,13 @@ class Rendezvous:
             raise ValueError(f"expected torchrun's variables {list(names)} all set or none, got {present} without "
                              f"{missing}")
         try:
+            local_world_size = environ.get("LOCAL_WORLD_SIZE")
             return cls(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), int(environ["WORLD_SIZE"]), launched=True,
-                       rank=int(environ["RANK"]), local_rank=int(environ.get("LOCAL_RANK", environ["RANK"])))
+                       rank=int(environ["RANK"]), local_rank=int(environ.get("LOCAL_RANK", environ["RANK"])),
+                       local_world_size=None if local_world_size is None else int(local_world_size))
         except ValueError:
-            raise ValueError(f"expected integer MASTER_PORT, WORLD_SIZE, RANK and LOCAL_RANK, got "
-                             f"{[environ.get(n) for n in (*names, 'LOCAL_RANK')]}") from None
+            raise ValueError(f"expected integer MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK and LOCAL_WORLD_SIZE, got "
+                             f"{[environ.get(n) for n in (*names, 'LOCAL_RANK', 'LOCAL_WORLD_SIZE')]}") from None
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,11 +112,24 @@ class TPGroup:
     """rank 0's messages to the others (`PipeChannel` or `GlooChannel`)."""
     owns_world: bool = field(default=False, repr=False)
     """True when `join` made torch.distributed's default group (so `leave` destroys it)."""
+    one_shot: OneShotAllReduce | None = field(default=None, repr=False)
+    """The one-shot all-reduce of the messages it `fits`, or None (NCCL or gloo for all)."""
+    all_reduce_name: str = "none (one rank)"
+    """Which all-reduce runs, and for what sizes (`pagedattn info` and the engine's log say it)."""
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """x summed over the ranks, in place; returned."""
-        if self.size > 1:
-            torch.distributed.all_reduce(x, group=self.device_group)
+        """x summed over the ranks: the one-shot's new tensor where it fits, else x, in place
+        (NCCL or gloo). Use the returned tensor."""
+        if self.size == 1:
+            return x
+        if self.one_shot is not None and self.one_shot.fits(x):
+            return self.one_shot(x)
+        return self.group_all_reduce(x)
+
+    def group_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the ranks by the device group's own collective (NCCL, or gloo on the
+        CPU), in place; returned. `all_reduce` picks it for what the one-shot does not take."""
+        torch.distributed.all_reduce(x, group=self.device_group)
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -173,7 +200,11 @@ def join(rendezvous: Rendezvous, rank: int, device: torch.device, *, channel=Non
                                 timeout=timeout, device_id=device_id)
     if channel is None:
         channel = GlooChannel(dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT))
-    return TPGroup(rank, rendezvous.world_size, device, dist.group.WORLD, channel, owns_world)
+    one_shot, name = None, backend
+    if backend == "nccl":
+        one_shot, name = make_one_shot(dist.group.WORLD, device, rendezvous.world_size, one_host=rendezvous.one_host,
+                                       alive=alive)
+    return TPGroup(rank, rendezvous.world_size, device, dist.group.WORLD, channel, owns_world, one_shot, name)
 
 
 def _wait_for_ranks(store, world_size: int, timeout: datetime.timedelta, alive: Callable[[], None] | None) -> None:
@@ -207,41 +238,35 @@ def leave(group: TPGroup, *, abort: bool = False) -> None:
 
 
 def abort_collectives(group: TPGroup) -> None:
-    """Abort the device group's NCCL communicators, from any thread: kernels waiting for a dead
-    rank return (their results are garbage) and a host waiting on them wakes. The groups stay
+    """Abort the device group's NCCL communicators, and release the one-shot all-reduce's
+    barriers (`OneShotAllReduce.release`), from any thread: kernels waiting for a dead rank
+    return (their results are garbage) and a host waiting on them wakes. The groups stay
     registered (the thread that uses them may be inside a collective's Python code) until
     `leave(abort=True)`. Nothing for gloo, whose collectives fail when a peer's socket closes."""
     if group.size == 1 or group.device.type != "cuda":
         return
+    if group.one_shot is not None:
+        group.one_shot.release()
     try:
         group.device_group.abort()
     except (AttributeError, RuntimeError):  # aborted already, or a torch without it
         pass
 
 
-def time_all_reduce(group: TPGroup, x: torch.Tensor, *, count: int, reps: int) -> float:
-    """Seconds of one all-reduce of `x` over `group` (every rank calls it with the same shape):
-    on CUDA, a graph of `count` of them replayed `reps` times, the median replay divided by
-    `count` (launch gaps excluded, as inside a decode graph); on the CPU, the median of `reps`."""
-    group.all_reduce(x)  # the communicator exists before the capture
+def time_all_reduce(group: TPGroup, x: torch.Tensor, *, count: int, reps: int,
+                    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
+    """Seconds of one all-reduce of `x` over `group` (every rank calls it with the same shape) by
+    `all_reduce` (None: `group.all_reduce`, whichever it picks for `x`): on CUDA, a graph of
+    `count` of them replayed `reps` times, the median replay divided by `count` (launch gaps
+    excluded, as inside a decode graph); on the CPU, the median of `reps`."""
+    all_reduce = all_reduce or group.all_reduce
     if x.device.type != "cuda":
+        all_reduce(x)
         times = []
         for _ in range(reps):
             start = time.perf_counter()
-            group.all_reduce(x)
+            all_reduce(x)
             times.append(time.perf_counter() - start)
         return statistics.median(times)
-    torch.cuda.synchronize(x.device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(count):
-            group.all_reduce(x)
-    events = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize(x.device)
-    return statistics.median(s.elapsed_time(e) for s, e in events) / 1e3 / count
+    graph = capture([functools.partial(all_reduce, x)] * count)  # run once first: communicators exist
+    return median_event_ms(graph.replay, reps, warmup=1) / 1e3 / count

@@ -61,7 +61,7 @@ def test_tensor_parallel_run_reports_the_floor_per_gpu_and_the_all_reduce(tmp_pa
     whole = engine_offline.weight_bytes_read(load_dummy_model("tiny-llama").model)
     assert whole / 2 < shape["weight_bytes_read"] < whole  # half of every split matrix, the norms whole
     decode = shape["decode_step"]
-    assert decode["all_reduce_s"] > 0
+    assert decode["all_reduce_s"] > 0 and decode["all_reduce"] == "gloo"  # which all-reduce ran
     assert decode["all_reduces_per_step"] == 2 * SHAPES["tiny-llama"]["num_hidden_layers"]
     assert decode["kv_bytes"] == decode["median_context_tokens"] * 2 * 2 * 1 * 16 * 4  # 2 layers, 1 KV head a rank
     assert any("not compared at --tensor-parallel-size 2" in why for why in shape["skipped"])

@@ -5,16 +5,12 @@ its running batch cannot take, and stops on SIGINT."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
+from serve_process import ServeProcess
 
 from pagedattn import SamplingParams
 from pagedattn.cli import main
@@ -46,45 +42,18 @@ def test_user_errors_exit_2(argv, message, capsys):
     assert message in err and len(err.splitlines()) == 1, err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve(*args: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    return subprocess.Popen([sys.executable, "-m", "pagedattn", "serve", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-
-
 @pytest.fixture(scope="module")
 def serve_process(tiny_folder):
     """`pagedattn serve` in its own process, 4 sequences per step over a small pool; its base URL.
     It must stop with status 0 on SIGINT."""
-    port = _free_port()
-    proc = _serve("--model", tiny_folder, "--port", str(port), "--device", "cpu", "--num-kv-blocks", "32",
-                  "--max-num-seqs", "4", "--served-model-name", SERVED, "--api-key", KEY, "--log-level", "warning")
-    url = f"http://127.0.0.1:{port}"
+    server = ServeProcess(["--model", tiny_folder, "--device", "cpu", "--num-kv-blocks", "32", "--max-num-seqs", "4",
+                           "--served-model-name", SERVED, "--api-key", KEY, "--log-level", "warning"])
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, f"serve exited with {proc.returncode}: {proc.stdout.read()}"
-            assert time.monotonic() < deadline, f"serve did not answer /health within {STARTUP_TIMEOUT_S} s"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
-        yield url
+        server.wait_ready(STARTUP_TIMEOUT_S)
+        yield server.url
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
-    assert proc.returncode == 0, proc.stdout.read()
+        server.stop()
+    assert server.returncode == 0, server.output()
 
 
 def test_serve_process(serve_process, reference):
@@ -98,7 +67,7 @@ def test_port_in_use_is_one_line_before_the_model_loads(serve_process, tmp_path)
     """The port is bound before the model loads: an empty folder as --model is never read."""
     port = serve_process.rsplit(":", 1)[1]
     start = time.monotonic()
-    proc = _serve("--model", str(tmp_path), "--port", port, "--device", "cpu")
+    proc = ServeProcess(["--model", str(tmp_path), "--port", port, "--device", "cpu"]).proc
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2, out
     lines = out.strip().splitlines()

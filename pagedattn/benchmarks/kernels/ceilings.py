@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .timing import median_event_ms
+from pagedattn.cuda_timing import median_event_ms
 
 COPY_BYTES = 2 << 30
 MATMUL_N = 8192

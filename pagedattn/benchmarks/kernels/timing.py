@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from pagedattn.cuda_timing import capture, median_event_ms
 from pagedattn.intmath import cdiv
 
 MAX_SETS = 32  # rotating input sets at most (tiny steps: 32 x 4 MB > 2 x a 50 MB L2)
@@ -49,24 +50,6 @@ def rounds_for(per_call_us: float, sets: int) -> int:
 def reps_for(per_rep_us: float) -> int:
     """Timed repetitions: about REP_TARGET_S of device time, within [MIN_REPS, MAX_REPS]."""
     return min(MAX_REPS, max(MIN_REPS, int(REP_TARGET_S * 1e6 / max(per_rep_us, 1.0))))
-
-
-def median_event_ms(fn: Callable[[], object], reps: int, warmup: int = 3,
-                    before: Callable[[], object] | None = None) -> float:
-    """Median of `reps` CUDA-event intervals around `fn()` (after `before()`, untimed), all
-    queued before one synchronisation at the end."""
-    for _ in range(warmup):
-        fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(reps)]
-    for start, end in events:
-        if before is not None:
-            before()
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
 def host_us(fn: Callable[[], object], reps: int = 5) -> float:
@@ -97,22 +80,6 @@ class Flusher:
 
     def __call__(self) -> None:
         self.buffer[: self.bytes].zero_()
-
-
-def capture(calls: Sequence[Callable[[], object]]) -> torch.cuda.CUDAGraph:
-    """One graph running `calls` in order; each is first run once on a side stream (compiles
-    kernels and allocates lazily made scratch outside the graph, as capture requires)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    return graph
 
 
 def time_graph(calls: Sequence[Callable[[], object]]) -> tuple[float, str]:
