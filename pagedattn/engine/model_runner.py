@@ -1,7 +1,8 @@
 """Runs the model on a scheduled step: KV pools, inputs, metadata, CUDA graphs, sampling, multi-step.
 
-The KV pool is allocated once: sized from free memory after a profiling run on CUDA
-(`gpu_memory_utilization`), from a fixed budget on the CPU, or fixed by `num_kv_blocks`.
+The KV pool is allocated once, sized by `KVPoolSizer` (engine/kv_pool.py): from free memory
+after a profiling run on CUDA (`gpu_memory_utilization`), from a fixed budget on the CPU, or
+fixed by `num_kv_blocks`.
 On the CPU the model's float32 linears are swapped, in place, for oneDNN-prepacked ones.
 Decode-only steps on CUDA replay graphs of the model and its output head (`DecodeGraphs`).
 `launch` queues a step and returns a `LaunchedStep`, whose `results()` are what it sampled
@@ -37,22 +38,20 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 from collections.abc import Callable
 
 import torch
 
 from pagedattn.attention.backend import AttentionBackend
-from pagedattn.attention.types import ScheduledSeq
 from pagedattn.dtypes import kv_cache_dtype
 from pagedattn.engine.config import EngineConfig
 from pagedattn.engine.decode_graphs import DecodeGraphs
 from pagedattn.engine.kv_cache_groups import KVCacheGroups
+from pagedattn.engine.kv_pool import GIB, KVPoolSizer
 from pagedattn.engine.launched_step import LaunchedStep
 from pagedattn.engine.logprobs import PromptPlan, TopLogprobs
 from pagedattn.engine.sampler import Sampler, SamplingBatch
-from pagedattn.engine.sampling_params import SamplingParams
 from pagedattn.engine.scheduler import ScheduledChunk, SchedulerOutput
 from pagedattn.engine.step_metadata import GroupedMetadataBuilder, StepMetadata
 from pagedattn.engine.step_plan import StepPlan
@@ -65,13 +64,6 @@ from pagedattn.parallel.layers import SINGLE, local_heads
 
 logger = logging.getLogger(__name__)
 
-_GIB = 1 << 30
-_MAX_SWAP_POOL_RATIO = 4  # the CPU swap pool never exceeds this many times the device pool
-# The decode graphs' shared pool holds the largest graph's activations and float32 logits
-# [max_num_seqs, vocab]; the eager decode step measured at profiling is that, and each captured
-# graph adds its own executable state: kept free beside the KV pool with this much room.
-_GRAPH_POOL_MARGIN = 1.1
-_GRAPH_BYTES_EACH = 2 << 20
 WORKER_CALLS = frozenset({"execute", "time_decode_graph", "time_all_reduce"})
 """The methods rank 0 calls on every rank (through `send`): each runs collectives."""
 
@@ -114,16 +106,16 @@ class ModelRunner:
         self.sampler = Sampler(self.default_generator)
         self.eos_token_ids = frozenset(self.spec.eos_token_ids)  # masked under min_tokens
         self.use_graphs = device.type == "cuda" and not config.enforce_eager and not self.spec.num_cross_layers
-        self._graph_reserve = 0  # bytes kept free for the decode graphs (`_decode_graph_bytes`) when profiled
+        self.pool_sizer = KVPoolSizer(self)
 
-        self.num_blocks = self._num_kv_blocks(config)
+        self.num_blocks = self.pool_sizer.num_kv_blocks(config)
         shape = backend.get_kv_cache_shape(self.num_blocks, self.block_size, self.num_kv_heads, self.spec.head_size)
         self.cache_tensors = [torch.zeros(shape, dtype=self.cache_dtype, device=device) for _ in range(self.num_caches)]
         # Each layer's cache in `layer_idx` order: decoder layers' (a tensor per group position), then cross layers'.
         groups_end = self.kv_groups.num_tensors
         self.kv_caches = self.kv_groups.layer_caches(self.cache_tensors[:groups_end]) + self.cache_tensors[groups_end:]
         self.num_cross_blocks = self.num_blocks if self.spec.num_cross_layers else 0
-        self.num_cpu_blocks = self._num_cpu_blocks(config)
+        self.num_cpu_blocks = self.pool_sizer.num_cpu_blocks(config, self.num_blocks)
         cpu_shape = backend.get_kv_cache_shape(self.num_cpu_blocks, self.block_size, self.num_kv_heads,
                                                self.spec.head_size)
         pin = device.type == "cuda"
@@ -145,52 +137,6 @@ class ModelRunner:
         if self.use_graphs:
             self.graphs = self._capture_graphs()
 
-    # ------------------------------------------------------------------ sizing
-
-    def _block_bytes(self) -> int:
-        shape = self.backend.get_kv_cache_shape(1, self.block_size, self.num_kv_heads, self.spec.head_size)
-        per_block = math.prod(shape)
-        return per_block * self.cache_dtype.itemsize * self.num_caches
-
-    def _num_kv_blocks(self, config: EngineConfig) -> int:
-        """The pool's blocks: `num_kv_blocks` as given (tests shrink it on purpose), else sized
-        from memory (with tensor parallelism, the fewest any rank can hold: the block manager's
-        ids name a block in every rank's pool) and refused, as vLLM does, when one request of
-        the whole context cannot fit. Ranks return from here together: a rank that failed to
-        load its shard fails every rank's start-up."""
-        per_request = self.kv_groups.blocks_per_request(self.max_blocks_per_seq * self.block_size, self.block_size,
-                                                        self.max_num_batched_tokens)
-        if config.num_kv_blocks is not None:
-            if config.num_kv_blocks < per_request:
-                logger.warning(
-                    "num_kv_blocks=%d holds fewer tokens (%d) than one request of max_model_len=%d",
-                    config.num_kv_blocks, config.num_kv_blocks * self.block_size, self.spec.max_model_len,
-                )
-            # every rank's, so the same; the collective makes start-up wait for every rank's model
-            return self.tp.min(config.num_kv_blocks)
-        if self.device.type == "cuda":
-            free = self._profile_free_bytes(config.gpu_memory_utilization)
-            num = int(free // self._block_bytes())
-            budget = f"{max(free, 0) / _GIB:.2f} GiB free at gpu_memory_utilization={config.gpu_memory_utilization}"
-            raise_hint = "raise gpu_memory_utilization (--gpu-memory-utilization)"
-        else:
-            # The CPU budget; more blocks than max_num_seqs full-length sequences would never be used.
-            num = int(config.cpu_kv_cache_gib * _GIB // self._block_bytes())
-            num = min(num, self.max_num_seqs * per_request)
-            budget = f"the CPU budget of {config.cpu_kv_cache_gib} GiB"
-            raise_hint = f"set num_kv_blocks (--num-kv-blocks) to at least {per_request}"
-        num = self.tp.min(max(num, 0))
-        if self.tp.size > 1:
-            budget += f" on rank {self.tp.rank} (the pool has the fewest blocks any of {self.tp.size} ranks holds)"
-        if num < per_request:
-            raise ValueError(
-                f"expected the KV pool to hold one request of max_model_len={self.spec.max_model_len} tokens "
-                f"({per_request} blocks of {self.block_size}), got {num} blocks "
-                f"({num * self.block_size} tokens, {self._block_bytes()} bytes a block) in {budget}; "
-                f"{raise_hint}, or lower max_model_len (--max-model-len)"
-            )
-        return num
-
     def _capture_graphs(self) -> DecodeGraphs:
         """The decode graphs, or a ValueError with the numbers when the device cannot hold them
         beside the KV pool (the engine is refused at start-up rather than failing mid-capture)."""
@@ -204,82 +150,15 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             raise ValueError(
                 f"expected room for the decode CUDA graphs of up to max_num_seqs={self.max_num_seqs} sequences "
-                f"(about {self._graph_reserve / _GIB:.2f} GiB reserved for them) beside a KV pool of "
-                f"{self.num_blocks} blocks ({self.num_blocks * self._block_bytes() / _GIB:.2f} GiB), got an "
-                f"out-of-memory error with {free / _GIB:.2f} of {total / _GIB:.2f} GiB free; lower max_num_seqs "
+                f"(about {self.pool_sizer.graph_reserve / GIB:.2f} GiB reserved for them) beside a KV pool of "
+                f"{self.num_blocks} blocks ({self.num_blocks * self.pool_sizer.block_bytes() / GIB:.2f} GiB), got an "
+                f"out-of-memory error with {free / GIB:.2f} of {total / GIB:.2f} GiB free; lower max_num_seqs "
                 f"(--max-num-seqs) or gpu_memory_utilization, or run without graphs (enforce_eager, --enforce-eager)"
             ) from exc
         took = torch.cuda.memory_allocated(self.device) - before
-        logger.info("decode graphs hold %.2f GiB (%.2f GiB kept for them)", took / _GIB, self._graph_reserve / _GIB)
+        logger.info("decode graphs hold %.2f GiB (%.2f GiB kept for them)", took / GIB,
+                    self.pool_sizer.graph_reserve / GIB)
         return graphs
-
-    def _num_cpu_blocks(self, config: EngineConfig) -> int:
-        if config.preemption_mode == "recompute":
-            return 0
-        num = int(config.swap_space_gib * _GIB // self._block_bytes())
-        return min(num, _MAX_SWAP_POOL_RATIO * self.num_blocks)
-
-    @torch.inference_mode()
-    def _profile_free_bytes(self, utilization: float) -> float:
-        """Run the largest step (with an empty cache) and the sampler on the most rows; what the
-        device has left under `utilization`, keeping that step's transient peak free."""
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        seqs, positions, encoder_positions = [], [], []
-        tokens = self.max_num_batched_tokens
-        while tokens > 0:
-            n = min(tokens, self.spec.max_model_len)
-            # Encoder-decoder: the same tokens again through the encoder (its worst case too);
-            # an audio request's encoder runs on a whole window, whatever its decoder's length.
-            e = min(n, self.spec.max_encoder_len)
-            if self.audio is not None:
-                e = self.audio.num_positions(self.audio.max_frames)
-            seqs.append(ScheduledSeq(n, n, [0] * cdiv(n, self.block_size), encoder_len=e))
-            positions += range(n)
-            encoder_positions += range(e)
-            tokens -= n
-        ids = torch.zeros(len(positions), dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        encoder = None
-        if self.spec.num_cross_layers:
-            encoder_pos = torch.tensor(encoder_positions, dtype=torch.int64, device=self.device)
-            encoder = (torch.zeros_like(encoder_pos), encoder_pos)
-            if self.audio is not None:
-                window = (self.audio.num_mel_bins, self.audio.max_frames)
-                encoder = ([torch.zeros(window, device=self.device) for _ in seqs], encoder_pos)
-        md = self.builder.build(seqs)
-        empty = [torch.empty(0, dtype=self.cache_dtype, device=self.device)] * len(self.builder.layer_group)
-        with md.context(empty):
-            hidden = self._forward(ids, pos, encoder)
-        rows = min(self.max_num_seqs, hidden.shape[0])
-        logits = self.model.compute_logits(hidden[-rows:])
-        params = SamplingParams(temperature=1.0, top_k=2, top_p=0.5)
-        self.sampler.sample(logits, SamplingBatch.build([(params, None)] * rows, logits.shape[1], self.device))
-        torch.cuda.synchronize(self.device)
-        del hidden, logits
-        stats = torch.cuda.memory_stats(self.device)
-        transient = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
-        self._graph_reserve = self._decode_graph_bytes() if self.use_graphs else 0
-        free, total = torch.cuda.mem_get_info(self.device)
-        return total * utilization - (total - free) - transient - self._graph_reserve
-
-    def _decode_graph_bytes(self) -> int:
-        """What the decode graphs will hold: the eager decode step of `max_num_seqs` sequences
-        (model and output head, empty cache) measured, with room for each graph's own state."""
-        torch.cuda.reset_peak_memory_stats(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        seqs = [ScheduledSeq(1, 1, [0])] * self.max_num_seqs
-        ids = torch.zeros(self.max_num_seqs, dtype=torch.int64, device=self.device)
-        md = self.builder.build(seqs)
-        empty = [torch.empty(0, dtype=self.cache_dtype, device=self.device)] * len(self.builder.layer_group)
-        with md.context(empty):
-            logits = self.model.compute_logits(self._forward(ids, torch.zeros_like(ids), None))
-        torch.cuda.synchronize(self.device)
-        del logits
-        peak = torch.cuda.max_memory_allocated(self.device) - base
-        num_graphs = 2 * len(DecodeGraphs.batch_sizes(self.max_num_seqs))  # two context classes at most
-        return int(peak * _GRAPH_POOL_MARGIN) + num_graphs * _GRAPH_BYTES_EACH
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
@@ -500,7 +379,7 @@ class ModelRunner:
             return features, flat
         return flat[: len(ids)], flat[len(ids) :]
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, encoder: tuple | None):
+    def forward_model(self, ids: torch.Tensor, pos: torch.Tensor, encoder: tuple | None):
         """The model on one step's inputs (inside a forward context): hidden [T, H]."""
         if self.spec.num_cross_layers:
             return self.model(ids, pos, *(encoder or (None, None)))
@@ -509,7 +388,7 @@ class ModelRunner:
     def _run(self, md: StepMetadata, ids: torch.Tensor, pos: torch.Tensor, encoder: tuple | None = None):
         """hidden [T, H], eagerly; `encoder`: the step's encoder input and positions (`_prepare_encoder`)."""
         with md.context(self.kv_caches):
-            return self._forward(ids, pos, encoder)
+            return self.forward_model(ids, pos, encoder)
 
     # ------------------------------------------------------------------ CUDA graphs
 

@@ -38,7 +38,7 @@ def test_profiled_step_runs_before_the_caches_exist(make_sized_engine, monkeypat
             "allocated_bytes.all.peak": 3 * gib, "allocated_bytes.all.current": gib})
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (60 * gib, 80 * gib))
     del runner.kv_caches  # as when the runner is being built
-    free = runner._profile_free_bytes(0.9)
+    free = runner.pool_sizer.profile_free_bytes(0.9)
     if runner.device.type != "cuda":
         assert free == pytest.approx(80 * 0.9 * (1 << 30) - 20 * (1 << 30) - 2 * (1 << 30))
 
