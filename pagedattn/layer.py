@@ -6,6 +6,16 @@ custom op `torch.ops.pagedattn.attention`, opaque to `torch.compile` (so a model
 `fullgraph=True`) and capturable in CUDA graphs. The op reads the context at run time, which
 is why metadata and caches are not op arguments.
 
+Cascade (shared-prefix) attention. A step whose sequences all begin with the same cached
+blocks can attend those blocks once for all its queries: the context's `shared_prefix`
+metadata (`MetadataBuilder.build_shared_prefix`) names them, the layer's own metadata then
+covers each sequence's suffix only, and `run` merges the two parts by their LSEs
+(`merge_attn_states`). The shared part runs on `prefix_impl`, the layer's options as
+cross-attention (not causal) without sinks: a sink joins one part's denominator only, the
+suffix's, which runs on the layer's own impl and writes the step's K/V. Layers that cannot
+split so (`cascade_refusal`: not DECODER, ALiBi, a window, a backend without cross-attention)
+have no `prefix_impl`.
+
 FP8 KV-cache scales. Each layer owns `k_scale` and `v_scale`, 0-dim float32 tensors on the
 device it was built on; an FP8 cache stores `x / scale` and reads `stored * scale`. A scale
 given to the constructor or by `set_kv_scales` (the loader passes a checkpoint's) is fixed.
@@ -29,6 +39,7 @@ import torch
 from torch import nn
 
 from pagedattn.attention.backend import AttentionImpl
+from pagedattn.attention.merge import merge_attn_states
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.registry import get_backend
 from pagedattn.attention.types import AttentionType
@@ -54,10 +65,15 @@ class ForwardContext:
     attn_metadata: AttentionMetadata
     kv_caches: Sequence[torch.Tensor]
     layer_metadata: Sequence[AttentionMetadata] | None = None
+    shared_prefix: Sequence[AttentionMetadata | None] | None = None
 
     def metadata_of(self, layer_idx: int) -> AttentionMetadata:
         """The metadata layer `layer_idx` reads: its own where the context has per-layer ones."""
         return self.attn_metadata if self.layer_metadata is None else self.layer_metadata[layer_idx]
+
+    def shared_prefix_of(self, layer_idx: int) -> AttentionMetadata | None:
+        """The shared prefix layer `layer_idx` attends apart (a cascade), or None."""
+        return None if self.shared_prefix is None else self.shared_prefix[layer_idx]
 
 
 _contexts: list[ForwardContext] = []
@@ -65,16 +81,21 @@ _contexts: list[ForwardContext] = []
 
 @contextlib.contextmanager
 def forward_context(attn_metadata: AttentionMetadata, kv_caches: Sequence[torch.Tensor], *,
-                    layer_metadata: Sequence[AttentionMetadata] | None = None) -> Iterator[ForwardContext]:
+                    layer_metadata: Sequence[AttentionMetadata] | None = None,
+                    shared_prefix: Sequence[AttentionMetadata | None] | None = None) -> Iterator[ForwardContext]:
     """Make `attn_metadata` and the per-layer `kv_caches` visible to every `Attention` layer inside.
 
     `layer_metadata`: one metadata per layer index instead, for models whose layers read
     different block tables (an engine's KV cache groups: windowed layers over tables whose
     out-of-window blocks were freed, full layers over whole ones); the same step, so counts and
-    lengths agree with `attn_metadata` but for a window's dropped blocks."""
-    if layer_metadata is not None and len(layer_metadata) != len(kv_caches):
-        raise ValueError(f"expected one layer_metadata per kv_cache ({len(kv_caches)}), got {len(layer_metadata)}")
-    ctx = ForwardContext(attn_metadata, kv_caches, layer_metadata)
+    lengths agree with `attn_metadata` but for a window's dropped blocks.
+    `shared_prefix`: per layer index, a shared prefix's metadata (`build_shared_prefix`) that the
+    layer attends once for all the step's queries, its own metadata then covering each
+    sequence's suffix (a cascade, module docstring), or None for a layer that attends whole."""
+    for name, per_layer in (("layer_metadata", layer_metadata), ("shared_prefix", shared_prefix)):
+        if per_layer is not None and len(per_layer) != len(kv_caches):
+            raise ValueError(f"expected one {name} per kv_cache ({len(kv_caches)}), got {len(per_layer)}")
+    ctx = ForwardContext(attn_metadata, kv_caches, layer_metadata, shared_prefix)
     _contexts.append(ctx)
     try:
         yield ctx
@@ -153,8 +174,13 @@ class Attention(nn.Module):
             num_heads, head_size, scale, num_kv_heads, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
             kv_cache_dtype=kv_cache_dtype, logits_soft_cap=logits_soft_cap, attn_type=attn_type, sinks=sinks,
         )
+        self.prefix_impl, self.cascade_refusal = _prefix_impl(
+            self.backend, self.impl, num_heads, head_size, scale, num_kv_heads, kv_cache_dtype=kv_cache_dtype,
+            logits_soft_cap=logits_soft_cap)
         if dtype is not None:
             self.impl.set_query_dtype(dtype)
+            if self.prefix_impl is not None:
+                self.prefix_impl.set_query_dtype(dtype)
         self.layer_idx = layer_idx
         # Plain attributes, not buffers: a model's `.to(dtype)` must leave them float32.
         self.k_scale = torch.ones((), dtype=torch.float32)  # 0-dim float32
@@ -196,7 +222,22 @@ class Attention(nn.Module):
             and md.num_prefills
         ):
             self._calibrate(key, value, kv_cache.dtype)
+        prefix = ctx.shared_prefix_of(self.layer_idx)
+        if prefix is not None:
+            return self._cascade(query, key, value, kv_cache, md, prefix)
         return self.impl.forward(query, key, value, kv_cache, md, self.k_scale, self.v_scale)
+
+    def _cascade(self, query, key, value, kv_cache: torch.Tensor, md: AttentionMetadata,
+                 prefix: AttentionMetadata) -> torch.Tensor:
+        """The suffix (`md`, the layer's impl: writes the step's K/V) and the shared prefix
+        (`prefix`, `prefix_impl`), each with its LSE, merged into the suffix's output."""
+        if self.prefix_impl is None:
+            raise ValueError(f"layer {self.layer_idx} cannot attend a shared prefix apart: {self.cascade_refusal}")
+        out, lse = self.impl.forward(query, key, value, kv_cache, md, self.k_scale, self.v_scale, return_lse=True)
+        prefix_out, prefix_lse = self.prefix_impl.forward(query, None, None, kv_cache, prefix, self.k_scale,
+                                                          self.v_scale, return_lse=True)
+        merge_attn_states(prefix_out, prefix_lse, out, lse, out=out, out_lse=lse)
+        return out
 
     @torch.no_grad()
     def _calibrate(self, key: torch.Tensor, value: torch.Tensor, cache_dtype: torch.dtype) -> None:
@@ -228,6 +269,24 @@ def kv_scale_calibration_paused(model: nn.Module) -> Iterator[None]:
     finally:
         for m, flags in zip(layers, saved):
             m.calibrating = flags
+
+
+def _prefix_impl(backend, impl: AttentionImpl, num_heads: int, head_size: int, scale: float,
+                 num_kv_heads: int | None, **options) -> tuple[AttentionImpl | None, str | None]:
+    """(the impl of a layer's shared-prefix part, None) when the layer can attend a shared prefix
+    apart, else (None, why not): the layer's options as cross-attention, without its sinks."""
+    if impl.attn_type is not AttentionType.DECODER:
+        return None, f"{impl.attn_type.name} attention (a cascade splits causal self-attention)"
+    if impl.alibi_slopes is not None:
+        return None, "ALiBi (its bias follows each key's distance from the query; cross-attention has none)"
+    if impl.window is not None:
+        return None, "a sliding window (no window is defined for cross-attention; its early blocks are freed anyway)"
+    try:
+        prefix = backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads,
+                                        attn_type=AttentionType.ENCODER_DECODER, **options)
+    except (NotImplementedError, ValueError) as e:
+        return None, f"the shared part's cross-attention is refused: {e}"
+    return prefix, None
 
 
 def attention_impls(model: nn.Module) -> list[AttentionImpl]:

@@ -75,9 +75,6 @@ class MetadataBuilder:
             context_lens.append(s.context_len - drop * bs)
             query_lens.append(s.query_len)
             tables.append(list(s.block_table[drop:]))
-        max_block_id = max((max(t) for t in tables if t), default=0)
-        num_prefill_tokens = sum(query_lens[:num_prefills])
-        num_decode_tokens = len(seqs) - num_prefills
         real_decode_lens = seq_lens[num_prefills:]
         if cuda_graph_pad_to is not None:
             pad = cuda_graph_pad_to - len(seqs)
@@ -86,9 +83,52 @@ class MetadataBuilder:
             query_lens += [1] * pad
             tables += [[]] * pad
             slots += [PAD_SLOT_ID] * pad
-            num_decode_tokens += pad
 
         enc = self._encoder_fields(seqs, num_prefills, pad_to=len(seq_lens))
+        md = self._metadata(num_prefills, seq_lens, context_lens, query_lens, tables, slots, enc,
+                            max_decode_seq_len=max(real_decode_lens, default=0),
+                            use_cuda_graph=cuda_graph_pad_to is not None, slots_all_real=cuda_graph_pad_to is None,
+                            fresh_prefills=all(s.context_len == 0 for s in seqs[:num_prefills]))
+        self._extend(md, seqs)
+        return md
+
+    def build_shared_prefix(self, num_query_tokens: int, prefix_blocks: Sequence[int]) -> AttentionMetadata:
+        """The metadata of a cascade's shared part: every one of the step's `num_query_tokens`
+        query tokens (laid out as `build` lays them out) attends the keys of `prefix_blocks`,
+        whole blocks that every sequence of the step holds first in its table, all of them
+        before its first query. One query batch over those keys, read as cross-attention
+        (an `ENCODER_DECODER` impl's `forward(query, None, None, ...)`: not causal, nothing
+        written); each sequence's own keys are a `build` over its table without those blocks
+        (`seq_len` less their tokens; slots do not change), and the two parts merge by their
+        LSEs (`pagedattn.merge_attn_states`). Its fields: one prefill of `num_query_tokens`
+        queries with no block of its own, `encoder_seq_lens` `[len(prefix_blocks) * block_size]`
+        and `cross_block_tables` `[1, len(prefix_blocks)]`.
+        """
+        if self.sliding_window is not None:
+            raise ValueError(f"expected a builder without a sliding window for a shared prefix (read whole), got "
+                             f"sliding_window={self.sliding_window}")
+        if isinstance(num_query_tokens, bool) or not isinstance(num_query_tokens, int) or num_query_tokens < 1:
+            raise ValueError(f"expected num_query_tokens an int >= 1, got {num_query_tokens!r}")
+        blocks = list(prefix_blocks)
+        if not blocks:
+            raise ValueError("expected at least one prefix block, got none")
+        _check_block_ids(0, "prefix block", blocks)
+        t, prefix_len = num_query_tokens, len(blocks) * self.block_size
+        enc = dict(num_tokens=0, lens=[prefix_len], start=[0, prefix_len], cross_slots=[], cross_width=len(blocks),
+                   cross_rows_flat=blocks, max_block_id=max(blocks))
+        md = self._metadata(1, [t], [0], [t], [[]], [PAD_SLOT_ID] * t, enc, max_decode_seq_len=0,
+                            use_cuda_graph=False, slots_all_real=False, fresh_prefills=True)
+        self._extend_shared_prefix(md)
+        return md
+
+    def _metadata(self, num_prefills: int, seq_lens: list[int], context_lens: list[int], query_lens: list[int],
+                  tables: list[list[int]], slots: list[int], enc: dict | None, *, max_decode_seq_len: int,
+                  use_cuda_graph: bool, slots_all_real: bool, fresh_prefills: bool) -> AttentionMetadata:
+        """The metadata of a step's host lists (graph padding included), one copy per dtype to the device."""
+        bs = self.block_size
+        max_block_id = max((max(t) for t in tables if t), default=0)
+        num_prefill_tokens = sum(query_lens[:num_prefills])
+        num_decode_tokens = len(seq_lens) - num_prefills
         num_seqs = len(seq_lens)
         query_start = cumsum(query_lens)
         seq_start = cumsum(seq_lens)
@@ -122,13 +162,13 @@ class MetadataBuilder:
             block_tables=i32[6].view(num_seqs, width),
             max_query_len=max(query_lens, default=0),
             max_prefill_seq_len=max(seq_lens[:num_prefills], default=0),
-            max_decode_seq_len=max(real_decode_lens, default=0),
-            use_cuda_graph=cuda_graph_pad_to is not None,
+            max_decode_seq_len=max_decode_seq_len,
+            use_cuda_graph=use_cuda_graph,
             decode_query_start_loc=i32[4] if mixed else None,
             decode_seq_start_loc=i32[5] if mixed else None,
-            slots_all_real=cuda_graph_pad_to is None,
+            slots_all_real=slots_all_real,
             max_block_id=max_block_id,
-            fresh_prefills=all(s.context_len == 0 for s in seqs[:num_prefills]),
+            fresh_prefills=fresh_prefills,
         )
         if enc:
             md.num_encoder_tokens = enc["num_tokens"]
@@ -139,11 +179,13 @@ class MetadataBuilder:
             md.cross_block_tables = i32[9].view(num_seqs, enc["cross_width"])
             md.cross_slot_mapping = i64[1]
             md.max_cross_block_id = enc["max_block_id"]
-        self._extend(md, seqs)
         return md
 
     def _extend(self, md: AttentionMetadata, seqs: Sequence[ScheduledSeq]) -> None:
         """Hook for backends that add fields (their plan inputs) to the metadata."""
+
+    def _extend_shared_prefix(self, md: AttentionMetadata) -> None:
+        """Hook for backends that add fields to a shared prefix's metadata (`build_shared_prefix`)."""
 
     def _dropped_blocks(self, s: ScheduledSeq) -> int:
         """Leading blocks wholly outside the window of the step's first query (position context_len)."""

@@ -313,6 +313,16 @@ class FlashInferMetadataBuilder(MetadataBuilder):
         if not md.use_cuda_graph:  # graph-padded steps are planned by FlashInferState.begin_forward
             plan_step(md, self.layers.specs())
 
+    def _extend_shared_prefix(self, md: FlashInferMetadata) -> None:
+        """A shared prefix's pages: its cross tables only (its one query batch has no block of its
+        own), planned for the cross-attention layers among the given ones (the prefix impls)."""
+        md.layers = self.layers
+        md.plans = Plans(md.slot_mapping.device)
+        md.paged_kv = None
+        md.cross_paged_kv = _paged(md.cross_block_tables, md.encoder_seq_lens_tensor, md.encoder_seq_lens,
+                                   md.query_lens, md.block_size)
+        plan_step(md, {s for s in self.layers.specs() if s.attn_type is AttentionType.ENCODER_DECODER})
+
 
 # ----------------------------------------------------------------------------- CUDA graphs
 
