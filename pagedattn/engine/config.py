@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedattn.dtypes import KV_CACHE_DTYPE_NAMES
+from pagedattn.engine.cascade import MIN_PREFIX_TOKENS, MIN_SEQS
 
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 DTYPE_NAMES = ("auto", "float32", "float", "bfloat16", "float16", "half")
@@ -36,9 +37,12 @@ class EngineConfig:
     there it only adds a wasted row when a sequence stops).
     `tensor_parallel_size` shards the model over that many processes, one a GPU (rank r on
     cuda:r, or torchrun's LOCAL_RANK), or on the CPU over gloo (`pagedattn.engine.distributed`).
-    `preemption_mode` and `cpu_kv_cache_gib` are engine-level extras not exposed by `LLM`:
-    "auto" swaps groups of several sequences (n > 1, beam search) when the CPU pool has room
-    and recomputes single sequences, like vLLM; "recompute"/"swap" force one mode.
+    `cascade_attention` attends a shared prefix once per step where at least
+    `cascade_min_seqs` sequences begin with at least `cascade_min_prefix_tokens` tokens of the
+    same cached blocks (`engine/cascade.py`).
+    `preemption_mode`, `cpu_kv_cache_gib` and the cascade's thresholds are engine-level extras
+    not exposed by `LLM`: "auto" swaps groups of several sequences (n > 1, beam search) when the
+    CPU pool has room and recomputes single sequences, like vLLM; "recompute"/"swap" force one mode.
     """
 
     model: str | None = None
@@ -61,8 +65,11 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     tensor_parallel_size: int = 1
+    cascade_attention: bool = True
     preemption_mode: str = "auto"
     cpu_kv_cache_gib: float = CPU_KV_CACHE_GIB
+    cascade_min_prefix_tokens: int = MIN_PREFIX_TOKENS
+    cascade_min_seqs: int = MIN_SEQS
 
     def __post_init__(self) -> None:
         _int_at_least("block_size", self.block_size, 1)
@@ -70,6 +77,8 @@ class EngineConfig:
         _int_at_least("num_scheduler_steps", self.num_scheduler_steps, 1)
         _int_at_least("seed", self.seed, None)
         _int_at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _int_at_least("cascade_min_prefix_tokens", self.cascade_min_prefix_tokens, 1)
+        _int_at_least("cascade_min_seqs", self.cascade_min_seqs, 1)
         if self.max_num_batched_tokens is not None:
             _int_at_least("max_num_batched_tokens", self.max_num_batched_tokens, self.max_num_seqs)
         if self.num_kv_blocks is not None:
@@ -81,7 +90,7 @@ class EngineConfig:
         if self.async_scheduling and self.num_scheduler_steps > 1:
             raise ValueError("expected async_scheduling or num_scheduler_steps > 1, got both (each hides the "
                              "host's work of a step its own way)")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "cascade_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"expected {name} to be a bool, got {getattr(self, name)!r}")
         for name in ("model", "tokenizer"):

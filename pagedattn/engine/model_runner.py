@@ -25,6 +25,10 @@ Models that mix windowed and full layers keep their layers in KV cache groups
 its own block tables, and a step's metadata is built per group (`engine/step_metadata.py`);
 a `StepPlan` carries every group's tables.
 
+Cascade attention (`engine/cascade.py`): where `CascadePolicy` finds a shared prefix in a step
+(on rank 0, carried in its plan as `cascade_blocks`), the step's layers that can split attend it
+once for all queries and their sequences' suffixes apart; such a step runs eagerly.
+
 Encoder-decoder models (`spec.num_cross_layers > 0`) have a cross pool too: one cache tensor
 per cross-attention layer, with as many blocks as the decoder pool (a request's encoder
 prompt is bounded like its decoder tokens), in the same backend layout. The forward
@@ -44,6 +48,7 @@ from collections.abc import Callable
 import torch
 
 from pagedattn.attention.backend import AttentionBackend
+from pagedattn.engine.cascade import CascadePolicy
 from pagedattn.dtypes import kv_cache_dtype
 from pagedattn.engine.config import EngineConfig
 from pagedattn.engine.decode_graphs import DecodeGraphs
@@ -57,7 +62,7 @@ from pagedattn.engine.step_metadata import GroupedMetadataBuilder, StepMetadata
 from pagedattn.engine.step_plan import StepPlan
 from pagedattn.engine.warmup import warmup_steps
 from pagedattn.intmath import cdiv
-from pagedattn.layer import kv_scale_calibration_paused
+from pagedattn.layer import Attention, kv_scale_calibration_paused
 from pagedattn.models.layers import pack_linears_for_cpu
 from pagedattn.parallel.group import TPGroup, time_all_reduce
 from pagedattn.parallel.layers import SINGLE, local_heads
@@ -101,6 +106,7 @@ class ModelRunner:
         self.builder = GroupedMetadataBuilder(backend, self.block_size, device, self.kv_groups,
                                               self.spec.num_layers + self.spec.num_cross_layers)
         self.builder.set_layers(self.model)  # backends that plan per layer plan these
+        self.cascade = _cascade_policy(config, self.model)
         self.cache_dtype = kv_cache_dtype(config.kv_cache_dtype, self.spec.dtype)
         self.default_generator = torch.Generator(device=device).manual_seed(config.seed)
         self.sampler = Sampler(self.default_generator)
@@ -189,10 +195,13 @@ class ModelRunner:
             self._alive()
         plan = StepPlan.of(out, carried_rows=after.row_of if after is not None else None,
                            vocab_size=self.spec.vocab_size)
+        plan.cascade_blocks = self.cascade.prefix_blocks(plan.seqs, plan.group_tables, self.kv_groups.windows,
+                                                         self.block_size)
         every_row_sampled = all(c.sample for c in out.chunks)
-        if out.chunks and out.num_steps > 1:
+        graphed = not plan.cascade_blocks  # the decode graphs hold no shared-prefix part: cascade steps run eagerly
+        if graphed and out.chunks and out.num_steps > 1:
             plan.pad_to = self._graph_size(len(plan.seqs))
-        elif out.is_decode_only and every_row_sampled and plan.prompt is None:
+        elif graphed and out.is_decode_only and every_row_sampled and plan.prompt is None:
             plan.pad_to = self._graph_size(len(plan.seqs))
         if self._send is not None and not plan.is_empty:
             self._send("execute", plan)  # the other ranks run the same plan on their shards
@@ -224,7 +233,8 @@ class ModelRunner:
         none is sampled, input ids int64 [T]). Every rank runs it; `carried`: on rank 0, the
         draws that `plan.ids` index (async scheduling)."""
         ids, pos, sample_idx = self._inputs(plan, carried)
-        md = self.builder.build(plan.group_seqs(), cuda_graph_pad_to=plan.pad_to)
+        md = self.builder.build(plan.group_seqs(), cuda_graph_pad_to=plan.pad_to,
+                                shared_prefix_blocks=plan.cascade_blocks)
         if plan.pad_to is None:
             hidden = self._run(md, ids, pos, encoder)
             logits = None
@@ -312,7 +322,7 @@ class ModelRunner:
         if pad_to is not None and pad_to > n:  # advance_step reads every row of the batch
             ids = torch.cat([ids, ids.new_zeros(pad_to - n)])
             pos = torch.cat([pos, pos.new_zeros(pad_to - n)])
-        md = self.builder.build(plan.group_seqs(), cuda_graph_pad_to=pad_to)
+        md = self.builder.build(plan.group_seqs(), cuda_graph_pad_to=pad_to, shared_prefix_blocks=plan.cascade_blocks)
         tokens = None
         for step in range(plan.num_steps):
             if step:
@@ -416,3 +426,16 @@ class ModelRunner:
             self._send("time_all_reduce", num_tokens, reps)
         x = torch.zeros(num_tokens, self.spec.hidden_size, dtype=self.spec.dtype, device=self.device)
         return time_all_reduce(self.tp, x, count=2 * self.spec.num_layers, reps=reps)
+
+
+def _cascade_policy(config: EngineConfig, model) -> CascadePolicy:
+    """The engine's cascade policy; off, with the reason logged, when no layer of `model` can
+    attend a shared prefix apart (`Attention.cascade_refusal`)."""
+    refusal = None
+    if config.cascade_attention:
+        layers = [m for m in model.modules() if isinstance(m, Attention)]
+        if not any(m.prefix_impl is not None for m in layers):
+            refusal = "; ".join(sorted({m.cascade_refusal for m in layers})) or "the model has no attention layer"
+            logger.info("cascade attention off: no layer can attend a shared prefix apart (%s)", refusal)
+    return CascadePolicy(config.cascade_attention, config.cascade_min_prefix_tokens, config.cascade_min_seqs,
+                         refusal)

@@ -4,12 +4,18 @@ Each group's builder has the group's window, so a windowed group's tables drop t
 window left (the block manager freed them) and a full group's keep every block; the layers of a
 group read its metadata (`forward_context(..., layer_metadata=)`). A model with one group builds
 once, as the contract's `builder.build`, and its layers read the one metadata.
+
+A cascade step (`engine/cascade.py`) also builds, for each full-attention group, the shared
+prefix's metadata (`build_shared_prefix`), and that group's sequences over their tables without
+the prefix blocks; the layers that can split (`Attention.prefix_impl`) read both, the others
+(windowed groups' layers) their group's whole tables.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -21,11 +27,19 @@ from pagedattn.layer import Attention, ForwardContext, forward_context
 
 
 class StepMetadata:
-    """The step's metadata of every KV cache group (`groups[g]`) and the group each layer reads."""
+    """The step's metadata of every KV cache group (`groups[g]`) and the group each layer reads.
 
-    def __init__(self, groups: list[AttentionMetadata], layer_group: Sequence[int]):
+    A cascade step's `shared_prefix[g]` is group g's shared-prefix metadata (None for a windowed
+    group), read by the layers whose `cascade_layers` entry is True; `groups[g]` then covers each
+    sequence's suffix."""
+
+    def __init__(self, groups: list[AttentionMetadata], layer_group: Sequence[int],
+                 shared_prefix: list[AttentionMetadata | None] | None = None,
+                 cascade_layers: Sequence[bool] = ()):
         self.groups = groups
         self.layer_group = layer_group  # by layer index: decoder layers, then cross layers (group 0)
+        self.shared_prefix = shared_prefix
+        self.cascade_layers = cascade_layers
 
     @property
     def first(self) -> AttentionMetadata:
@@ -44,10 +58,13 @@ class StepMetadata:
     @contextlib.contextmanager
     def context(self, kv_caches: Sequence[torch.Tensor]) -> Iterator[ForwardContext]:
         """`forward_context` over `kv_caches` (one per layer index), each layer reading its group's metadata."""
-        per_layer = None
+        per_layer = shared = None
         if len(self.groups) > 1:
             per_layer = [self.groups[g] for g in self.layer_group]
-        with forward_context(self.first, kv_caches, layer_metadata=per_layer) as ctx:
+        if self.shared_prefix is not None:
+            shared = [self.shared_prefix[g] if split else None
+                      for g, split in zip(self.layer_group, self.cascade_layers)]
+        with forward_context(self.first, kv_caches, layer_metadata=per_layer, shared_prefix=shared) as ctx:
             yield ctx
 
     def advance_step(self, input_tokens: torch.Tensor, input_positions: torch.Tensor, sampled_token_ids: torch.Tensor,
@@ -65,29 +82,55 @@ class GroupedMetadataBuilder:
     def __init__(self, backend, block_size: int, device: torch.device, kv_groups: KVCacheGroups, num_layers: int):
         """num_layers: the model's attention layers (decoder layers, then cross layers, which read group 0)."""
         self.kv_groups = kv_groups
+        self.block_size = block_size
         self.builders = [backend.get_builder_cls()(block_size, device, sliding_window=g.window)
                          for g in kv_groups.groups]
         self.layer_group = kv_groups.layer_group + (0,) * (num_layers - kv_groups.num_layers)
+        self.cascade_layers: tuple[bool, ...] = (False,) * num_layers  # by layer index: splits a shared prefix
 
     def set_layers(self, model: nn.Module) -> None:
-        """Give each group's builder the impls of its layers (`MetadataBuilder.set_layers`)."""
+        """Give each group's builder the impls of its layers (`MetadataBuilder.set_layers`), and
+        note which layers attend a shared prefix apart (those with a `prefix_impl`)."""
         for builder, impls in zip(self.builders, group_impls(model, self.layer_group, len(self.builders))):
             builder.set_layers(impls)
+        split = list(self.cascade_layers)
+        for m in model.modules():
+            if isinstance(m, Attention):
+                split[m.layer_idx] = m.prefix_impl is not None
+        self.cascade_layers = tuple(split)
 
     def build(self, seqs_of_group: Sequence[Sequence[ScheduledSeq]] | Sequence[ScheduledSeq], *,
-              cuda_graph_pad_to: int | None = None) -> StepMetadata:
+              cuda_graph_pad_to: int | None = None, shared_prefix_blocks: int = 0) -> StepMetadata:
         """The step's metadata: `seqs_of_group[g]` are the step's sequences over group `g`'s block
-        tables; one list of `ScheduledSeq` serves every group (dummy steps: any tables will do)."""
+        tables; one list of `ScheduledSeq` serves every group (dummy steps: any tables will do).
+        `shared_prefix_blocks`: a cascade step's shared prefix (`CascadePolicy.prefix_blocks`),
+        the first blocks of every sequence's table in each full-attention group."""
         if not seqs_of_group or isinstance(seqs_of_group[0], ScheduledSeq):
             seqs_of_group = [seqs_of_group] * len(self.builders)
-        return StepMetadata([b.build(seqs, cuda_graph_pad_to=cuda_graph_pad_to)
-                             for b, seqs in zip(self.builders, seqs_of_group)], self.layer_group)
+        if not shared_prefix_blocks:
+            return StepMetadata([b.build(seqs, cuda_graph_pad_to=cuda_graph_pad_to)
+                                 for b, seqs in zip(self.builders, seqs_of_group)], self.layer_group)
+        if cuda_graph_pad_to is not None:
+            raise ValueError("expected a cascade step (shared_prefix_blocks > 0) to run eagerly, got "
+                             f"cuda_graph_pad_to={cuda_graph_pad_to}")
+        n, shift = shared_prefix_blocks, shared_prefix_blocks * self.block_size
+        groups, prefixes = [], []
+        for builder, seqs in zip(self.builders, seqs_of_group):
+            if builder.sliding_window is not None:
+                groups.append(builder.build(seqs))
+                prefixes.append(None)
+                continue
+            prefixes.append(builder.build_shared_prefix(sum(s.query_len for s in seqs), seqs[0].block_table[:n]))
+            groups.append(builder.build([replace(s, seq_len=s.seq_len - shift, block_table=s.block_table[n:])
+                                         for s in seqs]))
+        return StepMetadata(groups, self.layer_group, prefixes, self.cascade_layers)
 
 
 def group_impls(model: nn.Module, layer_group: Sequence[int], num_groups: int) -> list[list]:
-    """The attention impls of each group's layers (`pagedattn.Attention.layer_idx` -> group)."""
+    """The attention impls of each group's layers (`pagedattn.Attention.layer_idx` -> group), a
+    layer's shared-prefix impl (`prefix_impl`) after its own: backends that plan ahead plan both."""
     impls: list[list] = [[] for _ in range(num_groups)]
     for m in model.modules():
         if isinstance(m, Attention):
-            impls[layer_group[m.layer_idx]].append(m.impl)
+            impls[layer_group[m.layer_idx]] += [m.impl] if m.prefix_impl is None else [m.impl, m.prefix_impl]
     return impls

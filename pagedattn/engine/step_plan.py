@@ -30,6 +30,8 @@ class StepPlan:
     prompt: the positions whose prompt log-probabilities are computed, or None.
     seqs are over KV cache group 0's block tables; `group_tables[i]` are sequence i's tables of
     groups 1.. (models of windowed and full layers; empty with one group).
+    cascade_blocks: the shared prefix the step attends once for all its queries (`engine/cascade.py`:
+        the first blocks of every sequence's tables in each full-attention group), 0 for none.
     """
 
     seqs: list[ScheduledSeq] = field(default_factory=list)
@@ -46,6 +48,7 @@ class StepPlan:
     cross_swap_out: list[tuple[int, int]] = field(default_factory=list)
     cross_swap_in: list[tuple[int, int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    cascade_blocks: int = 0
 
     def __getstate__(self) -> dict:
         # Sequences as tuples: pickling frozen dataclasses costs 4x as much (64 of them: 180 us)
