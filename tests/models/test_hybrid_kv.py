@@ -96,3 +96,24 @@ def test_engine_modes_over_kv_cache_groups(tiny_checkpoint, backend_name, device
     assert [o.outputs[0].token_ids for o in outs] == expected
     if "preemption_mode" in mode:
         assert sum(o.metrics.num_preemptions for o in outs) > 0
+
+
+def test_cascade_over_kv_cache_groups_equals_transformers(tiny_checkpoint, backend_name, device):
+    """gpt-oss's requests over one cached prefix: its full group's layers attend it once per step
+    (their sinks join the suffix part only), its windowed group's layers attend whole."""
+    ckpt = tiny_checkpoint("gpt_oss")
+    engine = _engine(ckpt, backend_name, device, num_kv_blocks=96, cascade_min_prefix_tokens=16, cascade_min_seqs=4)
+    gen = torch.Generator().manual_seed(6)
+    prefix = torch.randint(0, 256, (26,), generator=gen).tolist()  # 6 whole blocks of 4
+    prompts = [prefix + torch.randint(0, 256, (n,), generator=gen).tolist() for n in (1, 3, 6, 2, 5)]
+    params = pagedattn.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.generate([prefix], [pagedattn.SamplingParams(temperature=0.0, max_tokens=1)])
+    cascaded = []
+    build = engine.runner.builder.build
+    engine.runner.builder.build = lambda seqs, **kw: (cascaded.append(kw.get("shared_prefix_blocks")),
+                                                      build(seqs, **kw))[1]
+    outs = engine.generate(prompts, [params] * len(prompts))
+    with torch.no_grad():
+        expected = [_hf_greedy(ckpt.reference, p, 6) for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert cascaded and all(n == 6 for n in cascaded), cascaded  # every step: the prefill and the decodes
