@@ -49,6 +49,10 @@ class LLM:
     max_model_len: caps the context (prompt + completion) below the model's own; a smaller
         context needs a smaller KV pool.
     seed: seeds the sampling of requests that have no seed of their own.
+    cascade_attention: where the requests of a step share a long cached prefix (a system prompt;
+        >= 8 requests over >= 256 tokens), attend it once for all of them and each request's
+        suffix apart, merged (FlashInfer's and vLLM's cascade attention); such steps run
+        without CUDA graphs. False: every step attends each request's whole context.
     tensor_parallel_size: shard the model over this many processes (one a GPU: rank r on
         cuda:r; or on the CPU over gloo), started here and ended by `shutdown()` (or when the LLM
         is collected, or at exit); under torchrun the ranks it started join instead. Llama,
@@ -82,6 +86,7 @@ class LLM:
         max_model_len: int | None = None,
         seed: int = 0,
         tensor_parallel_size: int = 1,
+        cascade_attention: bool = True,
     ):
         self.config = EngineConfig(
             model=model,
@@ -104,6 +109,7 @@ class LLM:
             max_model_len=max_model_len,
             seed=seed,
             tensor_parallel_size=tensor_parallel_size,
+            cascade_attention=cascade_attention,
         )
         self.engine = LLMEngine(self.config)
 

@@ -55,6 +55,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, max_num_seqs: int | 
     )
     group.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs (CUDA only)")
     group.add_argument(
+        "--no-cascade-attention", dest="cascade_attention", action="store_false",
+        help="attend each request's whole context in every step, even where many share a long cached prefix",
+    )
+    group.add_argument(
         "--tensor-parallel-size", "-tp", type=int, default=1,
         help="shard the model over this many GPUs (processes: rank r on cuda:r; under torchrun, its ranks)",
     )
@@ -147,7 +151,7 @@ def engine_config(args: argparse.Namespace):
             kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
             num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
-            tensor_parallel_size=args.tensor_parallel_size, **knobs,
+            tensor_parallel_size=args.tensor_parallel_size, cascade_attention=args.cascade_attention, **knobs,
         )
     except ValueError as e:
         message = _flag_names(str(e))
@@ -185,6 +189,7 @@ def load_llm(config):
             num_kv_blocks=config.num_kv_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, enforce_eager=config.enforce_eager,
             gpu_memory_utilization=config.gpu_memory_utilization, tensor_parallel_size=config.tensor_parallel_size,
+            cascade_attention=config.cascade_attention,
         )
 
 

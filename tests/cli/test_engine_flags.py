@@ -95,7 +95,8 @@ def test_shared_flags_reach_the_engine_config():
             config.gpu_memory_utilization) == (512, 8, True, "org/tok", 0.5)
     defaults = engine_config(_args())
     assert (defaults.max_num_batched_tokens, defaults.enforce_eager, defaults.gpu_memory_utilization,
-            defaults.tokenizer) == (None, False, 0.9, None)
+            defaults.tokenizer, defaults.cascade_attention) == (None, False, 0.9, None, True)
+    assert not engine_config(_args("--no-cascade-attention")).cascade_attention
     assert chat_template(_args()) is None
     assert chat_template(_args("--chat-template", "{{ x }}")) == "{{ x }}"
 
@@ -110,6 +111,7 @@ def test_load_llm_hands_every_flag_to_the_engine(monkeypatch):
         "--model", "org/model", "--tokenizer", "org/tok", "--device", "cpu", "--dtype", "bfloat16",
         "--kv-cache-dtype", "fp8", "--max-model-len", "64", "--num-kv-blocks", "9", "--block-size", "8",
         "--max-num-batched-tokens", "300", "--max-num-seqs", "3", "--gpu-memory-utilization", "0.4", "--enforce-eager",
+        "--no-cascade-attention",
     ))
     load_llm(config)
     assert seen == [config]
