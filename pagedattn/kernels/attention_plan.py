@@ -109,7 +109,14 @@ def plan_attention(f: LaunchFacts) -> AttentionPlan:
     steps = search_steps(f.num_seqs)
     if f.num_tokens == 0 or f.num_seqs == 0:
         return AttentionPlan(f, Store.FIRST if f.store or f.new_kv else Store.NONE, empty=True, search_steps=steps)
-    if f.tile is None and f.decode_tile is None and hopper_prefill.takes(f.profile, f):
+    elem = f.q_dtype.itemsize
+    kv_elem = f.kv_dtype.itemsize
+    tile, num_splits, min_tiles = _portable_tile(f, group)
+    # The Gluon kernel does not split keys. A non-causal launch of few programs (a cascade's
+    # shared prefix: every query of a step over the prefix, e.g. 64 queries x 8 KV heads = 16
+    # programs over 4k keys) splits them on the portable kernel instead, filling the GPU.
+    if (f.tile is None and f.decode_tile is None and hopper_prefill.takes(f.profile, f)
+            and (f.causal or num_splits < 2)):
         gluon = hopper_prefill.plan_hopper(f, search_steps=steps)
         store = Store.NONE
         if f.store:
@@ -117,28 +124,6 @@ def plan_attention(f: LaunchFacts) -> AttentionPlan:
         elif f.new_kv:
             store = Store.FIRST
         return AttentionPlan(f, store, gluon=gluon, search_steps=steps)
-
-    elem = f.q_dtype.itemsize
-    kv_elem = f.kv_dtype.itemsize
-    chosen = choose_tile(head_size=f.head_size, group=group, max_query_len=f.max_query_len, elem_bytes=elem,
-                         interpret=INTERPRET, max_seq_len=f.max_seq_len, num_seqs=f.num_seqs,
-                         num_kv_heads=f.num_kv_heads, num_sms=f.profile.num_sms, paged=f.paged,
-                         kv_elem_bytes=kv_elem)
-    if f.tile is None:
-        tile = fit_tile(chosen, f.profile, head_size=f.head_size, group=group, q_bytes=elem, kv_bytes=kv_elem)
-    else:
-        tile = forced_tile(chosen, *f.tile, group=group, interpret=INTERPRET)
-    num_splits, min_tiles = 1, 0  # a forced count splits every sequence
-    if f.num_splits is None:
-        if f.split_limit >= 2:
-            num_splits = choose_num_splits(
-                num_seqs=f.num_seqs, num_kv_heads=f.num_kv_heads, max_query_len=f.max_query_len,
-                max_seq_len=f.max_seq_len, block_q=tile.block_q, block_n=tile.block_n, num_sms=f.profile.num_sms,
-                max_splits=f.split_limit)
-        min_tiles = split_min_tiles(num_seqs=f.num_seqs, num_kv_heads=f.num_kv_heads,
-                                    max_query_len=f.max_query_len, block_q=tile.block_q, num_sms=f.profile.num_sms)
-    else:
-        num_splits = f.num_splits
 
     dec = None
     if 0 < f.num_decodes < f.num_seqs:
@@ -178,6 +163,30 @@ def plan_attention(f: LaunchFacts) -> AttentionPlan:
         num_heavy=num_heavy, num_tiles=num_tiles, num_mixed=num_mixed,
         mix_lead=mixed_lead(num_tiles) if mixed else 0,
         grid=((num_tiles + num_mixed) * f.num_kv_heads, num_splits), search_steps=steps)
+
+
+def _portable_tile(f: LaunchFacts, group: int) -> tuple[Tile, int, int]:
+    """The portable kernel's (tile, split count, key tiles before a sequence splits) for `f`."""
+    elem, kv_elem = f.q_dtype.itemsize, f.kv_dtype.itemsize
+    chosen = choose_tile(head_size=f.head_size, group=group, max_query_len=f.max_query_len, elem_bytes=elem,
+                         interpret=INTERPRET, max_seq_len=f.max_seq_len, num_seqs=f.num_seqs,
+                         num_kv_heads=f.num_kv_heads, num_sms=f.profile.num_sms, paged=f.paged,
+                         kv_elem_bytes=kv_elem)
+    if f.tile is None:
+        tile = fit_tile(chosen, f.profile, head_size=f.head_size, group=group, q_bytes=elem, kv_bytes=kv_elem)
+    else:
+        tile = forced_tile(chosen, *f.tile, group=group, interpret=INTERPRET)
+    if f.num_splits is not None:
+        return tile, f.num_splits, 0  # a forced count splits every sequence
+    num_splits = 1
+    if f.split_limit >= 2:
+        num_splits = choose_num_splits(
+            num_seqs=f.num_seqs, num_kv_heads=f.num_kv_heads, max_query_len=f.max_query_len,
+            max_seq_len=f.max_seq_len, block_q=tile.block_q, block_n=tile.block_n, num_sms=f.profile.num_sms,
+            max_splits=f.split_limit)
+    min_tiles = split_min_tiles(num_seqs=f.num_seqs, num_kv_heads=f.num_kv_heads,
+                                max_query_len=f.max_query_len, block_q=tile.block_q, num_sms=f.profile.num_sms)
+    return tile, num_splits, min_tiles
 
 
 def head_pad(head_size: int) -> int:

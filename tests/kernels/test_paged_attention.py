@@ -180,6 +180,21 @@ def test_split_kv_matches_unsplit(shape, num_splits):
     check_against_oracle(batch, workspace=ws, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_non_causal_queries_over_pages_in_splits(num_splits):
+    """A cascade's shared part: many query rows of one sequence over its paged keys, not causal
+    (every query sees every key), the keys in splits (the plan splits such a launch of few
+    programs); the LSE is the whole softmax's."""
+    batch = make([(70, 24)], block_size=16)
+    ws = SplitKVWorkspace.allocate(batch.num_tokens, 4, 32, 4, DEVICE)
+    ws.partial_out.fill_(float("nan"))
+    ws.partial_stats.fill_(float("nan"))
+    out, lse = attend(kernel_args(batch), scale=0.3, causal=False, workspace=ws, num_splits=num_splits)
+    ref, ref_lse = batch.reference(scale=0.3, causal=False)
+    assert rel_l2(out, ref) <= TOL[torch.float32]
+    torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("num_splits", [5, 11, 37])
 def test_many_splits_and_empty_splits(num_splits):
     """Up to more splits than key tiles (empty splits: -inf LSE, zero output, never NaN) and

@@ -109,3 +109,28 @@ def test_bench_raw_rows_of_a_mixed_step_agree():
         prepare_raw(w, **kwargs).calls[0]()
         # other key tiles sum in another order: a bf16 output may differ by its last bit (2^-8 at 1.0)
         torch.testing.assert_close(s.out.float(), expected.float(), atol=8e-3, rtol=8e-3)
+
+
+def test_a_non_causal_launch_of_few_programs_splits_rather_than_take_the_gluon_kernel(monkeypatch):
+    """A cascade's shared part on an H100 (Llama-3-8B heads): 64 queries of one sequence over 4k
+    paged keys, not causal: 16 programs unsplit, so the plan splits them on the portable kernel
+    (the Gluon kernel has no splits); the same launch, causal, stays on the Gluon kernel."""
+    import torch
+
+    pytest.importorskip("triton")
+    from pagedattn.device_profile import PRESETS
+    from pagedattn.kernels import attention_plan, hopper_prefill
+
+    monkeypatch.setattr(hopper_prefill, "takes", lambda profile, f: True)  # as on an H100, whatever runs here
+    monkeypatch.setattr(attention_plan, "INTERPRET", False)
+    facts = attention_plan.LaunchFacts(
+        PRESETS["h100"], num_tokens=64, num_seqs=1, max_query_len=64, max_seq_len=4096, num_decodes=0,
+        max_decode_query_len=1, num_heads=32, num_kv_heads=8, head_size=128, q_dtype=torch.bfloat16,
+        kv_dtype=torch.bfloat16, block_size=16, paged=True, causal=False, window=False, alibi=False,
+        soft_cap=False, lse=True, split_limit=18, store=0, new_kv=False, gluon_layout=True, gluon_store=False,
+        kv_strides=(16384, 1024, 128, 1) * 2)
+    plan = attention_plan.plan_attention(facts)
+    assert plan.gluon is None and plan.num_splits == 16 and plan.grid[1] == 16
+    assert attention_plan.plan_attention(facts._replace(causal=True)).gluon is not None
+    # a step's many queries over the prefix (a long prompt's chunk beside it): programs enough, Gluon
+    assert attention_plan.plan_attention(facts._replace(num_tokens=2112, max_query_len=2112, split_limit=1)).gluon
