@@ -18,6 +18,9 @@ Per shape, in one process:
    decode, timed; its median against the floor (weights + K/V read once at the device-to-device
    copy bandwidth measured at the start of the run); with async scheduling on (CUDA), again
    with it off, which shows the host's share of a step.
+   With `--shared-prefix N`: 64 requests over one cached prefix of N tokens (128 tokens of
+   their own, 128 output tokens), their decode step with cascade attention, without it (graphs)
+   and without it eagerly, and token equality (`engine_shared_prefix`).
 3. online: `pagedattn serve`'s app on loopback under a Poisson request rate (sharegpt lengths),
    TTFT / TPOT / ITL p50 and p99 (`engine_online`); skipped, with the reason, without fastapi.
 With `--hf-attention` only transformers runs: `generate_batch` on pagedattn's attention
@@ -46,6 +49,7 @@ import torch
 
 SHAPES_CUDA = ("llama3-8b", "qwen2-7b", "smollm2-135m")  # the targets' shape first
 DECODE_BATCH, DECODE_PROMPT = 64, 128
+SHARED_PREFIX_OWN = 128  # --shared-prefix: each request's own prompt tokens, and its output tokens
 # Batches per workload of a full run, sized so one shape fits a few minutes of an H100: the short
 # workload across batch sizes (the plot), the long ones where the engine is meant to run.
 FULL_PLAN = {"cuda": {"128/128": [1, 16, 64, 256], "1024/128": [16, 64], "128/1024": [64], "sharegpt": [256]},
@@ -93,6 +97,11 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
     p.add_argument("--max-cell-s", type=float, default=90.0,
                    help="time for a cell's timed runs: fewer repetitions when the warm-up says they would "
                         "take longer, none when the warm-up alone did (default 90)")
+    p.add_argument("--shared-prefix", type=int, default=None, metavar="N",
+                   help="also decode 64 requests over one cached prefix of N tokens with cascade attention and "
+                        "without (needs --max-model-len >= N + 256)")
+    p.add_argument("--no-cascade-attention", dest="cascade_attention", action="store_false",
+                   help="our engine attends each request's whole context in every step")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -146,6 +155,12 @@ def _settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict
                      .replace("gpu_memory_utilization", "--gpu-memory-utilization"))
     if args.num_layers is not None and args.num_layers < 1:
         parser.error(f"expected --num-layers >= 1, got {args.num_layers}")
+    if args.shared_prefix is not None:
+        if args.shared_prefix < 1 or args.shared_prefix + 2 * SHARED_PREFIX_OWN > args.max_model_len:
+            parser.error(f"expected 1 <= --shared-prefix <= --max-model-len - {2 * SHARED_PREFIX_OWN} "
+                         f"({args.max_model_len - 2 * SHARED_PREFIX_OWN}), got {args.shared_prefix}")
+        if not args.cascade_attention:
+            parser.error("expected --shared-prefix without --no-cascade-attention (it compares both)")
     return dict(device=device, shapes=shapes, plan=plan, dtype=dtype,
                 backend=backend, reps=args.reps, max_model_len=args.max_model_len, seed=args.seed,
                 transformers=not args.no_transformers and args.tensor_parallel_size == 1,
@@ -156,7 +171,8 @@ def _settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict
                 decode_steps=(64 if args.quick else 128) if cuda else (8 if args.quick else 32),
                 max_cell_s=args.max_cell_s,
                 max_num_seqs=max(*(b for _, b in plan), DECODE_BATCH), quick=args.quick,
-                hf_attention=args.hf_attention)
+                hf_attention=args.hf_attention, shared_prefix=args.shared_prefix,
+                cascade_attention=args.cascade_attention)
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
@@ -178,6 +194,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     plan = settings["plan"]
     fixed = sum(w in offline.FIXED for w, _ in plan)
     runs_per_shape = (len(plan) + fixed * settings["transformers"]) * (settings["reps"] + 1) + 2  # + decode, online
+    runs_per_shape += settings["shared_prefix"] is not None
     if settings["hf_attention"]:
         runs_per_shape = fixed * len(HF_ATTENTION) * (settings["reps"] + 1)
     total = runs_per_shape * len(settings["shapes"])
@@ -214,7 +231,8 @@ def _bench_shape(shape: str, s: dict, bandwidth: float, rows: list[dict], bar) -
                              max_model_len=min(s["max_model_len"], _context(shape)), seed=s["seed"],
                              num_layers=s["num_layers"])
     config = EngineConfig(device=str(device), backend=backend, max_num_seqs=s["max_num_seqs"], seed=s["seed"],
-                          tensor_parallel_size=size, gpu_memory_utilization=s["gpu_memory_utilization"])
+                          tensor_parallel_size=size, gpu_memory_utilization=s["gpu_memory_utilization"],
+                          cascade_attention=s["cascade_attention"])
     info = {"backend": backend, "dtype": str(s["dtype"]).removeprefix("torch."), "tensor_parallel_size": size,
             "num_layers": s["num_layers"] or SHAPES[shape]["num_hidden_layers"],
             "all_layers": s["num_layers"] in (None, SHAPES[shape]["num_hidden_layers"]), "skipped": []}
@@ -263,6 +281,13 @@ def _bench_shape(shape: str, s: dict, bandwidth: float, rows: list[dict], bar) -
         info["decode_step_sync"] = offline.decode_step(engine, **step)
         engine.async_scheduling = True
     bar.update()
+    if s["shared_prefix"] is not None:
+        from pagedattn.benchmarks.engine_shared_prefix import run_shared_prefix
+
+        bar.set_description(f"{shape}: shared prefix")
+        info["shared_prefix"] = run_shared_prefix(engine, prefix_len=s["shared_prefix"], suffix_len=SHARED_PREFIX_OWN,
+                                                  output_len=SHARED_PREFIX_OWN, batch=DECODE_BATCH, seed=s["seed"])
+        bar.update()
     if s["online"]:
         why = online.unavailable_reason()
         if why:

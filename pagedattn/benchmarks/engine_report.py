@@ -230,6 +230,9 @@ def print_summary(result: dict) -> None:
                  f"{d['all_reduce_step_s'] * 1e3:.2f} ms a step ({d.get('all_reduce', 'NCCL')})"
                  if d.get("all_reduce_s") is not None else "")
               + (f"; without async scheduling {sync['median_step_s'] * 1e3:.2f} ms" if sync else ""))
+        sp = s.get("shared_prefix")
+        if sp:
+            p(shared_prefix_line(_shape_name(shape, s), sp))
         o = s.get("online")
         if o:
             f = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
@@ -241,3 +244,15 @@ def print_summary(result: dict) -> None:
     p("targets:")
     for t in result["targets"]:
         p(f"  [{'met' if t['met'] else 'NOT met'}] {t['shape']}: {t['target']}: {t['measured']}")
+
+
+def shared_prefix_line(name: str, sp: dict) -> str:
+    """One line of `engine_shared_prefix.run_shared_prefix`'s result."""
+    c, w, e = sp["cascade"], sp["whole"], sp["whole_eager"]
+    eq, eq_eager = sp["equal_whole"], sp["equal_whole_eager"]
+    return (f"{name} {sp['batch']} requests over a shared prefix of {sp['prefix_len']} tokens (+{sp['suffix_len']} "
+            f"each), decode step: cascade {c['median_step_s'] * 1e3:.2f} ms ({c['cascade_steps']} of {c['steps']} "
+            f"steps cascaded, eager), without {w['median_step_s'] * 1e3:.2f} ms"
+            f"{' (graphs)' if sp['graphs'] else ''}, without eagerly {e['median_step_s'] * 1e3:.2f} ms: "
+            f"{w['median_step_s'] / c['median_step_s']:.2f}x; equal tokens {eq['equal']}/{eq['of']} "
+            f"({eq_eager['equal']}/{eq_eager['of']} against the eager run)")
