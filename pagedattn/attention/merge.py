@@ -16,6 +16,7 @@ elsewhere PyTorch does, in float32 (no Triton needed).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -81,7 +82,7 @@ def merge_attn_states(
 def _kernel_runs(device: torch.device) -> bool:
     """Whether our Triton kernel runs on tensors of `device`: CUDA, or the CPU when the kernels
     are interpreted (`kernels._common.INTERPRET`, read when Triton is installed)."""
-    if importlib.util.find_spec("triton") is None:
+    if not _triton_installed():
         return False
     if device.type == "cuda":
         return True
@@ -90,6 +91,11 @@ def _kernel_runs(device: torch.device) -> bool:
     from pagedattn.kernels._common import INTERPRET
 
     return INTERPRET
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None  # looked up once: a merge runs per layer
 
 
 def _merge_torch(out, out_a, out_b, lse_a, lse_b, out_lse) -> None:

@@ -22,6 +22,10 @@ class AttentionState:
     """
 
     backend: type | None = None  # the AttentionBackend whose `get_metadata_cls()` graphs read
+    # Whether a graph captured with these buffers may also hold a cascade's shared-prefix part:
+    # `build_shared_prefix` metadata made for capture (`use_cuda_graph=True`, the longest prefix),
+    # its device tensors rewritten before each replay; the launches read only device lengths.
+    shared_prefix_graphs: bool = True
 
     @property
     def metadata_cls(self) -> type[AttentionMetadata]:

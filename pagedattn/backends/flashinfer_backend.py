@@ -335,6 +335,9 @@ class FlashInferState(AttentionState):
 
     backend = FlashInferBackend
     _PAGED = ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
+    # A shared prefix runs on a prefill wrapper planned per step on the host (its buffers made by
+    # each plan); the graph wrappers here are decode ones. Cascade steps run eagerly.
+    shared_prefix_graphs = False
 
     def __init__(self, max_batch_size: int, max_blocks_per_seq: int, block_size: int, device):
         super().__init__(max_batch_size, max_blocks_per_seq, block_size, device)

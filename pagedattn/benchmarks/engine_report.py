@@ -252,7 +252,9 @@ def shared_prefix_line(name: str, sp: dict) -> str:
     eq, eq_eager = sp["equal_whole"], sp["equal_whole_eager"]
     return (f"{name} {sp['batch']} requests over a shared prefix of {sp['prefix_len']} tokens (+{sp['suffix_len']} "
             f"each), decode step: cascade {c['median_step_s'] * 1e3:.2f} ms ({c['cascade_steps']} of {c['steps']} "
-            f"steps cascaded, eager), without {w['median_step_s'] * 1e3:.2f} ms"
+            f"steps cascaded, {'graphs' if sp.get('cascade_graphs') else 'eager'}), without "
+            f"{w['median_step_s'] * 1e3:.2f} ms"
             f"{' (graphs)' if sp['graphs'] else ''}, without eagerly {e['median_step_s'] * 1e3:.2f} ms: "
             f"{w['median_step_s'] / c['median_step_s']:.2f}x; equal tokens {eq['equal']}/{eq['of']} "
-            f"({eq_eager['equal']}/{eq_eager['of']} against the eager run)")
+            f"({eq_eager['equal']}/{eq_eager['of']} against the eager run; divergences at near ties "
+            f"{eq['near_ties']}/{eq['of'] - eq['equal']})")

@@ -3,13 +3,13 @@ long cached prefix (a system prompt), decoded with cascade attention and without
 
 `batch` requests, each the same `prefix_len` random tokens then `suffix_len` tokens of its own,
 `output_len` greedy tokens (EOS ignored), on one engine: the prefix alone first (its blocks
-cached), then the batch, three times: with cascade attention (its decode steps eager: the decode
-graphs hold no shared part), without it (decode steps replayed from CUDA graphs where the engine
-has them) and without it eagerly (the graphs set aside), so the cascade's gain and the graphs'
-show apart. Per mode: the pure decode steps (every request running with a token of its own, none
+cached), then the batch, three times: with cascade attention (decode steps replayed from its
+cascade graphs where the engine has them), without it (from its decode graphs) and without it
+eagerly (the graphs set aside), so the cascade's gain and the graphs' show apart. Per mode: the pure decode steps (every request running with a token of its own, none
 finished) timed on the host, their median; the steps the policy cascaded; the tokens. Then token
 equality of each mode against the cascade's, and at each request's first divergence both
-candidates' log-probabilities on both sides (a near tie in bf16, or not).
+candidates' log-probabilities on both sides: a near tie (within NEAR_TIE on both sides, as
+random weights' flat distributions give in bf16), or not.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 from pagedattn.engine.sampling_params import SamplingParams
 
 MODES = ("cascade", "whole", "whole_eager")
+NEAR_TIE = 0.1  # nats: a divergence where both runs' two candidates lie this close is a tie in bf16
 
 
 class _CountingPolicy:
@@ -60,7 +61,7 @@ def run_shared_prefix(engine, *, prefix_len: int, suffix_len: int = 128, output_
                                             vocab_size=engine.spec.vocab_size, seed=seed)
     engine.generate([prefix], [SamplingParams(temperature=0, max_tokens=1)])  # the prefix's blocks cached
     result: dict = {"prefix_len": prefix_len, "suffix_len": suffix_len, "output_len": output_len, "batch": batch,
-                    "graphs": graphs is not None}
+                    "graphs": graphs is not None, "cascade_graphs": graphs is not None and graphs.has_cascade}
     runs = {}
     try:
         for mode in MODES:
@@ -120,8 +121,17 @@ def compare(a: list, b: list) -> dict:
             row.update(tokens=(tx[j], ty[j]),
                        logprobs_a={t: _lp(lx, t) for t in (tx[j], ty[j])},
                        logprobs_b={t: _lp(ly, t) for t in (tx[j], ty[j])})
+            gaps = [_gap(lx, tx[j], ty[j]), _gap(ly, ty[j], tx[j])]  # each run's margin for its own choice
+            row["gaps"] = gaps
+            row["near_tie"] = all(g is not None and g <= NEAR_TIE for g in gaps)
         diverged.append(row)
-    return {"equal": len(a) - len(diverged), "of": len(a), "diverged": diverged}
+    return {"equal": len(a) - len(diverged), "of": len(a), "near_ties": sum(d.get("near_tie", False) for d in diverged),
+            "diverged": diverged}
+
+
+def _gap(logprobs: dict, chosen: int, other: int) -> float | None:
+    a, b = _lp(logprobs, chosen), _lp(logprobs, other)
+    return None if a is None or b is None else a - b
 
 
 def _lp(logprobs: dict, token: int) -> float | None:

@@ -16,7 +16,10 @@ sequence's suffix apart, merged by their LSEs (`pagedattn.layer`, "Cascade"). Fl
 - the prefix is cut so that every query lies after it and each sequence keeps its kind: a
   decode keeps at least one key of its own (`common_prefix_blocks`). Windowed groups' layers
   attend whole (their early blocks are freed anyway).
-A cascade step runs eagerly: the decode CUDA graphs hold no shared-prefix part.
+Decode steps replay cascade graphs of their own (`engine/decode_graphs.py`) where the backend's
+graph state can hold a shared part; where it cannot (FlashInfer), a step that would replay a
+graph attends whole instead: an eager step's host work costs more than the shared reads save
+(docs/PERF.md). Prefill and mixed steps run eagerly anyway.
 """
 
 from __future__ import annotations
@@ -75,12 +78,17 @@ class CascadePolicy:
     min_seqs: int = MIN_SEQS
     refusal: str | None = None
 
+    @property
+    def active(self) -> bool:
+        """Whether any step may be cascaded: on, and some layer can split."""
+        return self.enabled and self.refusal is None
+
     def prefix_blocks(self, seqs: Sequence[ScheduledSeq], group_tables: Sequence[Sequence[Sequence[int]]],
                       windows: Sequence[int | None], block_size: int) -> int:
         """The blocks of the step's shared prefix to attend apart, 0 to attend whole. `seqs`: the
         step's sequences over KV cache group 0's tables, `group_tables[i]` sequence i's tables of
         groups 1.. (`StepPlan`); `windows`: each group's window (None: full attention)."""
-        if not self.enabled or self.refusal is not None or len(seqs) < self.min_seqs:
+        if not self.active or len(seqs) < self.min_seqs:
             return 0
         n = prefix_cap(seqs, block_size)
         for g, window in enumerate(windows):

@@ -9,6 +9,13 @@ runs short contexts, an engine's usual early steps, slower (docs/PERF.md). A mod
 cache groups has a state per group (`engine/step_metadata.py`): each graph reads every group's
 buffers, each group's layers their own.
 
+Cascade graphs (`cascade=True`): a third family, one graph per batch size for any context, whose
+full-attention groups' layers attend a shared prefix apart (`engine/cascade.py`): each group's
+suffixes through its state's buffers, the prefix through shared-prefix metadata captured over
+the longest prefix a table holds (`build_shared_prefix`), whose lengths and blocks are copied in
+before each replay. Backends whose states say they cannot (`AttentionState.shared_prefix_graphs`)
+have none.
+
 A graph runs the model on its input-id and position buffers and then `compute_logits`, so a
 replayed step hands the sampler float32 logits [batch, vocab] with no launch of its own in
 between (the output head reads as many bytes as a tenth of an 8B model's layers: outside the
@@ -29,6 +36,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from pagedattn.attention.backend import AttentionBackend
+from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.state import AttentionState
 from pagedattn.cuda_timing import median_event_ms
 from pagedattn.engine.step_metadata import GroupedMetadataBuilder, StepMetadata, group_impls
@@ -38,12 +46,16 @@ logger = logging.getLogger(__name__)
 SHORT_CONTEXT = 256  # the short class's bound on a step's longest context, in tokens
 
 
+CASCADE = "cascade"  # the context class of the cascade graphs
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
     states: list[AttentionState]  # per KV cache group
     buffers: list[dict[str, torch.Tensor]]  # per KV cache group
     logits: torch.Tensor  # float32 [batch size, vocab]: rows of the shared buffer, rewritten by each replay
+    prefixes: list[AttentionMetadata | None] | None = None  # a cascade graph's shared-prefix metadata per group
 
 
 class DecodeGraphs:
@@ -51,9 +63,12 @@ class DecodeGraphs:
 
     def __init__(self, model, backend: type[AttentionBackend], builder: GroupedMetadataBuilder,
                  kv_caches: list[torch.Tensor], *, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device):
-        """builder: the engine's, for its KV cache groups (a state each) and which layers read each."""
+                 device: torch.device, cascade: bool = False):
+        """builder: the engine's, for its KV cache groups (a state each) and which layers read each.
+        cascade: also capture cascade graphs (`has_cascade` says whether the backend's states could)."""
         self.model = model
+        self.builder = builder
+        self.max_blocks_per_seq = max_blocks_per_seq
         self.kv_caches = kv_caches
         self.device = device
         self.max_num_seqs = max_num_seqs
@@ -71,6 +86,9 @@ class DecodeGraphs:
         for impls in group_impls(model, builder.layer_group, len(builder.builders)):
             states.append(backend.get_state_cls()(max_num_seqs, max_blocks_per_seq, block_size, device))
             states[-1].set_layers(impls)
+        self.has_cascade = cascade and all(state.shared_prefix_graphs for state in states)
+        if self.has_cascade:
+            self.classes.append(CASCADE)
         # No garbage collection inside a capture: a cycle collected there (an old engine: its
         # graphs, pinned buffers, events) frees CUDA resources, which invalidates the capture
         # (seen as CUBLAS_STATUS_INTERNAL_ERROR); PyTorch's `torch.cuda.graph` no longer collects.
@@ -95,13 +113,16 @@ class DecodeGraphs:
             for limit, bs in [(c, s) for c in self.classes for s in reversed(self.sizes)]:
                 # largest first, so smaller graphs reuse its memory pool
                 mds = [state.graph_capture_get_metadata_for_batch(bs) for state in states]
-                if limit is not None:
+                if limit not in (None, CASCADE):
                     mds = [replace(md, max_decode_seq_len=limit) for md in mds]
                 graph_states = [state.graph_clone(bs) for state in states]
                 for graph_state, md in zip(graph_states, mds):
                     graph_state.begin_forward(md)
                 ids, pos = self._ids[:bs], self._pos[:bs]
-                with StepMetadata(mds, self.layer_group).context(self.kv_caches):
+                step = StepMetadata(mds, self.layer_group)
+                if limit == CASCADE:
+                    step = StepMetadata(mds, self.layer_group, self._capture_prefixes(bs), self.builder.cascade_layers)
+                with step.context(self.kv_caches):
                     warm = self.model.compute_logits(self.model(ids, pos))  # warm-up outside the graph
                     if self._logits is None:  # the largest size comes first
                         self._logits = torch.empty(self.max_num_seqs, warm.shape[1], dtype=torch.float32,
@@ -113,7 +134,15 @@ class DecodeGraphs:
                         logits = self.model.compute_logits(self.model(ids, pos), out=self._logits[:bs])
                 pool = graph.pool() if pool is None else pool
                 buffers = [gs.get_graph_input_buffers(md) for gs, md in zip(graph_states, mds)]
-                self._graphs[limit, bs] = _Graph(graph, graph_states, buffers, logits)
+                self._graphs[limit, bs] = _Graph(graph, graph_states, buffers, logits, step.shared_prefix)
+
+    def _capture_prefixes(self, batch_size: int) -> list[AttentionMetadata | None]:
+        """Each full-attention group's shared-prefix metadata for capture: `batch_size` queries over
+        the most blocks a table holds (kernels plan their launches for that length), marked as a
+        graph's (its tensors are rewritten before each replay)."""
+        return [None if b.sliding_window is not None else
+                replace(b.build_shared_prefix(batch_size, [0] * self.max_blocks_per_seq), use_cuda_graph=True)
+                for b in self.builder.builders]
 
     @staticmethod
     def batch_sizes(max_num_seqs: int) -> list[int]:
@@ -130,11 +159,19 @@ class DecodeGraphs:
         rows past `ids.shape[0]` are the padding's."""
         pad_to = md.num_seqs
         short = SHORT_CONTEXT in self.classes and md.max_decode_seq_len <= SHORT_CONTEXT
-        self._last = (SHORT_CONTEXT if short else None, pad_to)
+        if md.shared_prefix is not None:
+            if not self.has_cascade:
+                raise ValueError("expected a step without a shared prefix: no cascade graph was captured")
+            self._last = (CASCADE, pad_to)
+        else:
+            self._last = (SHORT_CONTEXT if short else None, pad_to)
         g = self._graphs[self._last]
         for state, buffers, group_md in zip(g.states, g.buffers, md.groups):
             state.prepare_graph_input_buffers(buffers, group_md)
             state.begin_forward(group_md)
+        for captured, real in zip(g.prefixes or (), md.shared_prefix or ()):
+            if captured is not None:
+                _copy_shared_prefix(captured, real)
         n = ids.shape[0]
         self._ids[:n].copy_(ids)
         self._pos[:n].copy_(pos)
@@ -154,3 +191,12 @@ class DecodeGraphs:
             return None
         graph = self._graphs[self._last[0] if self._last else None, size].graph
         return median_event_ms(graph.replay, reps, warmup=0) / 1e3
+
+
+def _copy_shared_prefix(captured: AttentionMetadata, real: AttentionMetadata) -> None:
+    """A step's shared prefix (`build_shared_prefix`) into a cascade graph's (its lengths, its
+    blocks: the graph's table is the longest, its tail left as it is: never read)."""
+    n = real.cross_block_tables.shape[1]
+    captured.cross_block_tables[:, :n].copy_(real.cross_block_tables, non_blocking=True)
+    captured.encoder_seq_lens_tensor.copy_(real.encoder_seq_lens_tensor, non_blocking=True)
+    captured.encoder_seq_start_loc.copy_(real.encoder_seq_start_loc, non_blocking=True)

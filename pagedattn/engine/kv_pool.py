@@ -158,5 +158,6 @@ class KVPoolSizer:
         torch.cuda.synchronize(device)
         del logits
         peak = torch.cuda.max_memory_allocated(device) - base
-        num_graphs = 2 * len(DecodeGraphs.batch_sizes(r.max_num_seqs))  # two context classes at most
+        # two context classes at most, and the cascade graphs
+        num_graphs = (2 + r.cascade_graphs) * len(DecodeGraphs.batch_sizes(r.max_num_seqs))
         return int(peak * _GRAPH_POOL_MARGIN) + num_graphs * _GRAPH_BYTES_EACH

@@ -27,7 +27,8 @@ a `StepPlan` carries every group's tables.
 
 Cascade attention (`engine/cascade.py`): where `CascadePolicy` finds a shared prefix in a step
 (on rank 0, carried in its plan as `cascade_blocks`), the step's layers that can split attend it
-once for all queries and their sequences' suffixes apart; such a step runs eagerly.
+once for all queries and their sequences' suffixes apart; decode steps replay cascade graphs
+(`DecodeGraphs(cascade=True)`) where the backend's graph state can hold a shared part.
 
 Encoder-decoder models (`spec.num_cross_layers > 0`) have a cross pool too: one cache tensor
 per cross-attention layer, with as many blocks as the decoder pool (a request's encoder
@@ -112,6 +113,8 @@ class ModelRunner:
         self.sampler = Sampler(self.default_generator)
         self.eos_token_ids = frozenset(self.spec.eos_token_ids)  # masked under min_tokens
         self.use_graphs = device.type == "cuda" and not config.enforce_eager and not self.spec.num_cross_layers
+        # a third family of decode graphs, whose shared prefix is attended apart (engine/cascade.py)
+        self.cascade_graphs = self.use_graphs and self.cascade.active and backend.get_state_cls().shared_prefix_graphs
         self.pool_sizer = KVPoolSizer(self)
 
         self.num_blocks = self.pool_sizer.num_kv_blocks(config)
@@ -151,6 +154,7 @@ class ModelRunner:
             graphs = DecodeGraphs(
                 self.model, self.backend, self.builder, self.kv_caches, max_num_seqs=self.max_num_seqs,
                 max_blocks_per_seq=self.max_blocks_per_seq, block_size=self.block_size, device=self.device,
+                cascade=self.cascade_graphs,
             )
         except torch.OutOfMemoryError as exc:
             free, total = torch.cuda.mem_get_info(self.device)
@@ -198,11 +202,11 @@ class ModelRunner:
         plan.cascade_blocks = self.cascade.prefix_blocks(plan.seqs, plan.group_tables, self.kv_groups.windows,
                                                          self.block_size)
         every_row_sampled = all(c.sample for c in out.chunks)
-        graphed = not plan.cascade_blocks  # the decode graphs hold no shared-prefix part: cascade steps run eagerly
-        if graphed and out.chunks and out.num_steps > 1:
-            plan.pad_to = self._graph_size(len(plan.seqs))
-        elif graphed and out.is_decode_only and every_row_sampled and plan.prompt is None:
-            plan.pad_to = self._graph_size(len(plan.seqs))
+        replayable = out.chunks and (out.num_steps > 1 or (out.is_decode_only and every_row_sampled
+                                                           and plan.prompt is None))
+        plan.pad_to = self._graph_size(len(plan.seqs)) if replayable else None
+        if plan.cascade_blocks and plan.pad_to is not None and not self.graphs.has_cascade:
+            plan.cascade_blocks = 0  # a replayed graph attending whole beats an eager cascade step (docs/PERF.md)
         if self._send is not None and not plan.is_empty:
             self._send("execute", plan)  # the other ranks run the same plan on their shards
         self._move_blocks(plan)

@@ -107,22 +107,22 @@ class GroupedMetadataBuilder:
         the first blocks of every sequence's table in each full-attention group."""
         if not seqs_of_group or isinstance(seqs_of_group[0], ScheduledSeq):
             seqs_of_group = [seqs_of_group] * len(self.builders)
+        pad = cuda_graph_pad_to
         if not shared_prefix_blocks:
-            return StepMetadata([b.build(seqs, cuda_graph_pad_to=cuda_graph_pad_to)
-                                 for b, seqs in zip(self.builders, seqs_of_group)], self.layer_group)
-        if cuda_graph_pad_to is not None:
-            raise ValueError("expected a cascade step (shared_prefix_blocks > 0) to run eagerly, got "
-                             f"cuda_graph_pad_to={cuda_graph_pad_to}")
+            return StepMetadata([b.build(seqs, cuda_graph_pad_to=pad) for b, seqs in zip(self.builders, seqs_of_group)],
+                                self.layer_group)
         n, shift = shared_prefix_blocks, shared_prefix_blocks * self.block_size
         groups, prefixes = [], []
         for builder, seqs in zip(self.builders, seqs_of_group):
             if builder.sliding_window is not None:
-                groups.append(builder.build(seqs))
+                groups.append(builder.build(seqs, cuda_graph_pad_to=pad))
                 prefixes.append(None)
                 continue
-            prefixes.append(builder.build_shared_prefix(sum(s.query_len for s in seqs), seqs[0].block_table[:n]))
+            # a cascade graph's padding rows query the prefix too (their outputs are dropped)
+            num_queries = pad if pad is not None else sum(s.query_len for s in seqs)
+            prefixes.append(builder.build_shared_prefix(num_queries, seqs[0].block_table[:n]))
             groups.append(builder.build([replace(s, seq_len=s.seq_len - shift, block_table=s.block_table[n:])
-                                         for s in seqs]))
+                                         for s in seqs], cuda_graph_pad_to=pad))
         return StepMetadata(groups, self.layer_group, prefixes, self.cascade_layers)
 
 
