@@ -81,7 +81,7 @@ def run_shared_prefix(engine, *, prefix_len: int, suffix_len: int = 128, output_
 
 
 def _decode(engine, prompts: list[list[int]], output_len: int) -> dict:
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, logprobs=5)
     groups = [engine.add_request(p, params) for p in prompts]
     ids = [g.request_id for g in groups]
     generated = dict.fromkeys(ids, 0)
@@ -107,7 +107,7 @@ def _decode(engine, prompts: list[list[int]], output_len: int) -> dict:
 
 
 def compare(a: list, b: list) -> dict:
-    """Greedy outputs of two runs (`RequestOutput`s with top-2 log-probabilities): how many are
+    """Greedy outputs of two runs (`RequestOutput`s with top-5 log-probabilities): how many are
     equal; at each divergence, its position and both candidates' log-probabilities on both sides."""
     diverged = []
     for i, (x, y) in enumerate(zip(a, b)):

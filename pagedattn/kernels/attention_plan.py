@@ -27,9 +27,15 @@ import torch
 from pagedattn.device_profile import DeviceProfile
 
 from ._common import INTERPRET, check, next_pow2
-from .paged_attention_config import (Tile, choose_mixed_decode_tile, choose_num_splits, choose_tile, fit_tile,
-                                     forced_tile, mixed_lead, split_min_tiles)
+from .paged_attention_config import (DECODE_ROWS, PROGRAMS_PER_SM, Tile, choose_mixed_decode_tile, choose_num_splits,
+                                     choose_tile, fit_tile, forced_tile, mixed_lead, split_min_tiles)
 from . import hopper_prefill
+
+
+# Splits from which a non-causal launch leaves the Gluon kernel (unsplit) for the portable one:
+# H200, 32/8/128 bf16 over 4k paged keys, us, Gluon vs the portable kernel's best split (2026-11-27):
+# 64 queries 67.7 vs 29.0 (8 splits), 128: 68.3 vs 43.8 (4), 256: 69.1 vs 75.2 (2).
+GLUON_SPLITS = 4
 
 
 class Store(enum.Enum):
@@ -113,10 +119,10 @@ def plan_attention(f: LaunchFacts) -> AttentionPlan:
     kv_elem = f.kv_dtype.itemsize
     tile, num_splits, min_tiles = _portable_tile(f, group)
     # The Gluon kernel does not split keys. A non-causal launch of few programs (a cascade's
-    # shared prefix: every query of a step over the prefix, e.g. 64 queries x 8 KV heads = 16
-    # programs over 4k keys) splits them on the portable kernel instead, filling the GPU.
+    # shared part: every query of a step over the prefix) splits them on the portable kernel
+    # where that makes GLUON_SPLITS or more (docs/PERF.md, "Cascade attention").
     if (f.tile is None and f.decode_tile is None and hopper_prefill.takes(f.profile, f)
-            and (f.causal or num_splits < 2)):
+            and (f.causal or num_splits < GLUON_SPLITS)):
         gluon = hopper_prefill.plan_hopper(f, search_steps=steps)
         store = Store.NONE
         if f.store:
@@ -180,10 +186,12 @@ def _portable_tile(f: LaunchFacts, group: int) -> tuple[Tile, int, int]:
         return tile, f.num_splits, 0  # a forced count splits every sequence
     num_splits = 1
     if f.split_limit >= 2:
+        # a non-causal launch of prefill tiles (8 warps, one program an SM) aims at one wave
+        per_sm = 1 if not f.causal and tile.block_m > DECODE_ROWS else PROGRAMS_PER_SM
         num_splits = choose_num_splits(
             num_seqs=f.num_seqs, num_kv_heads=f.num_kv_heads, max_query_len=f.max_query_len,
             max_seq_len=f.max_seq_len, block_q=tile.block_q, block_n=tile.block_n, num_sms=f.profile.num_sms,
-            max_splits=f.split_limit)
+            max_splits=f.split_limit, programs_per_sm=per_sm)
     min_tiles = split_min_tiles(num_seqs=f.num_seqs, num_kv_heads=f.num_kv_heads,
                                 max_query_len=f.max_query_len, block_q=tile.block_q, num_sms=f.profile.num_sms)
     return tile, num_splits, min_tiles

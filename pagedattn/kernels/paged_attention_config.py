@@ -239,12 +239,14 @@ def _pow2_in(x: int, lo: int, hi: int) -> bool:
 
 def choose_num_splits(*, num_seqs: int, num_kv_heads: int, max_query_len: int,
                       max_seq_len: int, block_q: int, block_n: int, num_sms: int,
-                      max_splits: int) -> int:
+                      max_splits: int, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
     """FlashDecoding split count for a launch of `num_seqs x query tiles x num_kv_heads` programs.
 
     No split when the longest sequence has fewer key tiles than `split_min_tiles`. With fewer
-    programs than target = PROGRAMS_PER_SM x SMs: the largest power of two <= target // programs,
+    programs than target = `programs_per_sm` x SMs: the largest power of two <= target // programs,
     at most POLICY_MAX_SPLITS, the key tiles and `max_splits` (the workspace's room). Otherwise 1.
+    A non-causal launch of prefill tiles (a cascade's shared part) aims at one program an SM: H200,
+    64 queries of 32/8/128 over 4k keys, 29.0 us in 8 splits, 40.9 in 16 (docs/PERF.md).
     On an H100 or H200 (132 SMs) with 64-key tiles: 32/8/128 B=1 -> 32 splits (16 at 1k keys:
     one tile each), B=16 -> 2, B=64 -> 1; 8/1/128 B=1 -> 64, B=16 -> 16, B=64 -> 4, B=256 -> 1.
     An A100 (108 SMs) splits a little less, an L40S (142) a little more: the rule counts SMs.
@@ -254,7 +256,7 @@ def choose_num_splits(*, num_seqs: int, num_kv_heads: int, max_query_len: int,
     if max_splits <= 1 or tiles < split_min_tiles(num_seqs=num_seqs, num_kv_heads=num_kv_heads,
                                                   max_query_len=max_query_len, block_q=block_q, num_sms=num_sms):
         return 1
-    target = PROGRAMS_PER_SM * num_sms
+    target = programs_per_sm * num_sms
     if programs >= target:
         return 1
     want = max(1, min(target // programs, POLICY_MAX_SPLITS, tiles, max_splits))

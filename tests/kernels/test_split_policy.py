@@ -130,7 +130,10 @@ def test_a_non_causal_launch_of_few_programs_splits_rather_than_take_the_gluon_k
         soft_cap=False, lse=True, split_limit=18, store=0, new_kv=False, gluon_layout=True, gluon_store=False,
         kv_strides=(16384, 1024, 128, 1) * 2)
     plan = attention_plan.plan_attention(facts)
-    assert plan.gluon is None and plan.num_splits == 16 and plan.grid[1] == 16
+    assert plan.gluon is None and plan.num_splits == 8 and plan.grid[1] == 8  # 16 x 8 programs: one wave
+    assert attention_plan.plan_attention(facts._replace(num_tokens=128, max_query_len=128)).num_splits == 4
     assert attention_plan.plan_attention(facts._replace(causal=True)).gluon is not None
+    # 256 queries: two splits would be fewer than GLUON_SPLITS (Gluon unsplit was faster there)
+    assert attention_plan.plan_attention(facts._replace(num_tokens=256, max_query_len=256)).gluon is not None
     # a step's many queries over the prefix (a long prompt's chunk beside it): programs enough, Gluon
     assert attention_plan.plan_attention(facts._replace(num_tokens=2112, max_query_len=2112, split_limit=1)).gluon
