@@ -172,18 +172,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
-        """Run `warmup_steps` (dummy steps of every shape class) so kernels compile now, not mid-run."""
+        """Run `warmup_steps` (dummy steps of every shape class) so kernels compile now, not mid-run;
+        each step the cascade policy would cascade (its sequences share their tables) runs again
+        so (the shared part's launch and the LSE-writing ones are variants of their own)."""
         steps = warmup_steps(block_size=self.block_size, num_blocks=self.num_blocks,
                              max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
                              max_model_len=self.spec.max_model_len, plan_lengths=self.backend.plan_context_lens())
         start = time.perf_counter()
+        cascaded = 0
         with kv_scale_calibration_paused(self.model):  # dummy K/V must not set FP8 scales
             for seqs in steps:
                 positions = [p for s in seqs for p in range(s.context_len, s.seq_len)]
                 pos = self._device_ints(positions)
                 self._run(self.builder.build(seqs), torch.zeros_like(pos), pos)
+                tables = [(s.block_table,) * (len(self.kv_groups.groups) - 1) for s in seqs]
+                blocks = self.cascade.prefix_blocks(seqs, tables, self.kv_groups.windows, self.block_size)
+                if blocks:
+                    self._run(self.builder.build(seqs, shared_prefix_blocks=blocks), torch.zeros_like(pos), pos)
+                    cascaded += 1
         torch.cuda.synchronize(self.device)
-        logger.info("warmed up on %d dummy steps in %.1f s", len(steps), time.perf_counter() - start)
+        logger.info("warmed up on %d dummy steps (%d of them cascaded too) in %.1f s", len(steps), cascaded,
+                    time.perf_counter() - start)
 
     # ------------------------------------------------------------------ one step
 
