@@ -55,7 +55,7 @@ class _Graph:
     states: list[AttentionState]  # per KV cache group
     buffers: list[dict[str, torch.Tensor]]  # per KV cache group
     logits: torch.Tensor  # float32 [batch size, vocab]: rows of the shared buffer, rewritten by each replay
-    prefixes: list[AttentionMetadata | None] | None = None  # a cascade graph's shared-prefix metadata per group
+    prefixes: list[AttentionMetadata | None] | None = None  # a cascade graph's shared prefix per group (else None)
 
 
 class DecodeGraphs:

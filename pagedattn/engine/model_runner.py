@@ -49,8 +49,8 @@ from collections.abc import Callable
 import torch
 
 from pagedattn.attention.backend import AttentionBackend
-from pagedattn.engine.cascade import CascadePolicy
 from pagedattn.dtypes import kv_cache_dtype
+from pagedattn.engine.cascade import CascadePolicy
 from pagedattn.engine.config import EngineConfig
 from pagedattn.engine.decode_graphs import DecodeGraphs
 from pagedattn.engine.kv_cache_groups import KVCacheGroups
