@@ -51,8 +51,8 @@ class LLM:
     seed: seeds the sampling of requests that have no seed of their own.
     cascade_attention: where the requests of a step share a long cached prefix (a system prompt;
         >= 8 requests over >= 256 tokens), attend it once for all of them and each request's
-        suffix apart, merged (FlashInfer's and vLLM's cascade attention); such steps run
-        without CUDA graphs. False: every step attends each request's whole context.
+        suffix apart, merged (FlashInfer's and vLLM's cascade attention). None: on CUDA (off on
+        the CPU, where it does not pay); False: every step attends each request's whole context.
     tensor_parallel_size: shard the model over this many processes (one a GPU: rank r on
         cuda:r; or on the CPU over gloo), started here and ended by `shutdown()` (or when the LLM
         is collected, or at exit); under torchrun the ranks it started join instead. Llama,
@@ -86,7 +86,7 @@ class LLM:
         max_model_len: int | None = None,
         seed: int = 0,
         tensor_parallel_size: int = 1,
-        cascade_attention: bool = True,
+        cascade_attention: bool | None = None,
     ):
         self.config = EngineConfig(
             model=model,

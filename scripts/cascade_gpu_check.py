@@ -243,7 +243,8 @@ def run_engine(sz: Sizes, device: torch.device, num_layers: int | None) -> dict:
     start = time.perf_counter()
     loaded = load_dummy_model(sz.shape, device=device, dtype=sz.dtype, max_model_len=max_model_len, seed=0,
                               num_layers=num_layers)
-    engine = LLMEngine(EngineConfig(device=str(device), max_num_seqs=sz.batch, seed=0, **thresholds), loaded)
+    engine = LLMEngine(EngineConfig(device=str(device), max_num_seqs=sz.batch, seed=0, cascade_attention=True,
+                                    **thresholds), loaded)
     result = {"start_up_s": time.perf_counter() - start, "num_layers": engine.spec.num_layers,
               "all_layers": engine.spec.num_layers == SHAPES[sz.shape]["num_hidden_layers"],
               "backend": engine.runner.backend.get_name()}

@@ -20,7 +20,8 @@ Per shape, in one process:
    with it off, which shows the host's share of a step.
    With `--shared-prefix N`: 64 requests over one cached prefix of N tokens (128 tokens of
    their own, 128 output tokens), their decode step with cascade attention, without it (graphs)
-   and without it eagerly, and token equality (`engine_shared_prefix`).
+   and without it eagerly, and token equality (`engine_shared_prefix`); it turns cascade
+   attention on, on the CPU too (off there by default).
 3. online: `pagedattn serve`'s app on loopback under a Poisson request rate (sharegpt lengths),
    TTFT / TPOT / ITL p50 and p99 (`engine_online`); skipped, with the reason, without fastapi.
 With `--hf-attention` only transformers runs: `generate_batch` on pagedattn's attention
@@ -100,8 +101,8 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
     p.add_argument("--shared-prefix", type=int, default=None, metavar="N",
                    help="also decode 64 requests over one cached prefix of N tokens with cascade attention and "
                         "without (needs --max-model-len >= N + 256)")
-    p.add_argument("--no-cascade-attention", dest="cascade_attention", action="store_false",
-                   help="our engine attends each request's whole context in every step")
+    p.add_argument("--no-cascade-attention", dest="cascade_attention", action="store_const", const=False,
+                   default=None, help="our engine attends each request's whole context in every step")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -159,7 +160,7 @@ def _settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict
         if args.shared_prefix < 1 or args.shared_prefix + 2 * SHARED_PREFIX_OWN > args.max_model_len:
             parser.error(f"expected 1 <= --shared-prefix <= --max-model-len - {2 * SHARED_PREFIX_OWN} "
                          f"({args.max_model_len - 2 * SHARED_PREFIX_OWN}), got {args.shared_prefix}")
-        if not args.cascade_attention:
+        if args.cascade_attention is False:
             parser.error("expected --shared-prefix without --no-cascade-attention (it compares both)")
     return dict(device=device, shapes=shapes, plan=plan, dtype=dtype,
                 backend=backend, reps=args.reps, max_model_len=args.max_model_len, seed=args.seed,
@@ -172,7 +173,8 @@ def _settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict
                 max_cell_s=args.max_cell_s,
                 max_num_seqs=max(*(b for _, b in plan), DECODE_BATCH), quick=args.quick,
                 hf_attention=args.hf_attention, shared_prefix=args.shared_prefix,
-                cascade_attention=args.cascade_attention)
+                # --shared-prefix compares the engine with and without: it needs it on (the CPU's too)
+                cascade_attention=True if args.shared_prefix is not None else args.cascade_attention)
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:

@@ -55,8 +55,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, max_num_seqs: int | 
     )
     group.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs (CUDA only)")
     group.add_argument(
-        "--no-cascade-attention", dest="cascade_attention", action="store_false",
-        help="attend each request's whole context in every step, even where many share a long cached prefix",
+        "--no-cascade-attention", dest="cascade_attention", action="store_const", const=False, default=None,
+        help="attend each request's whole context in every step, even where many share a long cached prefix "
+             "(default: a shared prefix is attended once per step on CUDA)",
     )
     group.add_argument(
         "--tensor-parallel-size", "-tp", type=int, default=1,

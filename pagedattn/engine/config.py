@@ -39,7 +39,8 @@ class EngineConfig:
     cuda:r, or torchrun's LOCAL_RANK), or on the CPU over gloo (`pagedattn.engine.distributed`).
     `cascade_attention` attends a shared prefix once per step where at least
     `cascade_min_seqs` sequences begin with at least `cascade_min_prefix_tokens` tokens of the
-    same cached blocks (`engine/cascade.py`).
+    same cached blocks (`engine/cascade.py`; None: on CUDA; on the CPU the `torch` backend
+    computes as many scores either way, and the split and merge cost more than the reads save).
     `preemption_mode`, `cpu_kv_cache_gib` and the cascade's thresholds are engine-level extras
     not exposed by `LLM`: "auto" swaps groups of several sequences (n > 1, beam search) when the
     CPU pool has room and recomputes single sequences, like vLLM; "recompute"/"swap" force one mode.
@@ -65,7 +66,7 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     tensor_parallel_size: int = 1
-    cascade_attention: bool = True
+    cascade_attention: bool | None = None
     preemption_mode: str = "auto"
     cpu_kv_cache_gib: float = CPU_KV_CACHE_GIB
     cascade_min_prefix_tokens: int = MIN_PREFIX_TOKENS
@@ -85,12 +86,13 @@ class EngineConfig:
             _int_at_least("num_kv_blocks", self.num_kv_blocks, 1)
         if self.max_model_len is not None:
             _int_at_least("max_model_len", self.max_model_len, 1)
-        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
-            raise ValueError(f"expected async_scheduling to be None or a bool, got {self.async_scheduling!r}")
+        for name in ("async_scheduling", "cascade_attention"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"expected {name} to be None or a bool, got {getattr(self, name)!r}")
         if self.async_scheduling and self.num_scheduler_steps > 1:
             raise ValueError("expected async_scheduling or num_scheduler_steps > 1, got both (each hides the "
                              "host's work of a step its own way)")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "cascade_attention"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"expected {name} to be a bool, got {getattr(self, name)!r}")
         for name in ("model", "tokenizer"):
@@ -140,6 +142,11 @@ class EngineConfig:
         if self.async_scheduling is None:
             return device.type == "cuda" and self.num_scheduler_steps == 1
         return self.async_scheduling
+
+    def resolved_cascade_attention(self, device: torch.device) -> bool:
+        if self.cascade_attention is None:
+            return device.type == "cuda"
+        return self.cascade_attention
 
     def batched_tokens(self, max_model_len: int, device: torch.device) -> int:
         """The per-step token budget: the configured one, else a default (by device type) that

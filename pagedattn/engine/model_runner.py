@@ -107,7 +107,7 @@ class ModelRunner:
         self.builder = GroupedMetadataBuilder(backend, self.block_size, device, self.kv_groups,
                                               self.spec.num_layers + self.spec.num_cross_layers)
         self.builder.set_layers(self.model)  # backends that plan per layer plan these
-        self.cascade = _cascade_policy(config, self.model)
+        self.cascade = _cascade_policy(config, self.model, device)
         self.cache_dtype = kv_cache_dtype(config.kv_cache_dtype, self.spec.dtype)
         self.default_generator = torch.Generator(device=device).manual_seed(config.seed)
         self.sampler = Sampler(self.default_generator)
@@ -441,14 +441,14 @@ class ModelRunner:
         return time_all_reduce(self.tp, x, count=2 * self.spec.num_layers, reps=reps)
 
 
-def _cascade_policy(config: EngineConfig, model) -> CascadePolicy:
+def _cascade_policy(config: EngineConfig, model, device: torch.device) -> CascadePolicy:
     """The engine's cascade policy; off, with the reason logged, when no layer of `model` can
     attend a shared prefix apart (`Attention.cascade_refusal`)."""
     refusal = None
-    if config.cascade_attention:
+    enabled = config.resolved_cascade_attention(device)
+    if enabled:
         layers = [m for m in model.modules() if isinstance(m, Attention)]
         if not any(m.prefix_impl is not None for m in layers):
             refusal = "; ".join(sorted({m.cascade_refusal for m in layers})) or "the model has no attention layer"
             logger.info("cascade attention off: no layer can attend a shared prefix apart (%s)", refusal)
-    return CascadePolicy(config.cascade_attention, config.cascade_min_prefix_tokens, config.cascade_min_seqs,
-                         refusal)
+    return CascadePolicy(enabled, config.cascade_min_prefix_tokens, config.cascade_min_seqs, refusal)

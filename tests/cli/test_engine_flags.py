@@ -95,8 +95,8 @@ def test_shared_flags_reach_the_engine_config():
             config.gpu_memory_utilization) == (512, 8, True, "org/tok", 0.5)
     defaults = engine_config(_args())
     assert (defaults.max_num_batched_tokens, defaults.enforce_eager, defaults.gpu_memory_utilization,
-            defaults.tokenizer, defaults.cascade_attention) == (None, False, 0.9, None, True)
-    assert not engine_config(_args("--no-cascade-attention")).cascade_attention
+            defaults.tokenizer, defaults.cascade_attention) == (None, False, 0.9, None, None)
+    assert engine_config(_args("--no-cascade-attention")).cascade_attention is False
     assert chat_template(_args()) is None
     assert chat_template(_args("--chat-template", "{{ x }}")) == "{{ x }}"
 

@@ -20,7 +20,8 @@ PREFIX = random_prompts((43,), seed=7)[0]  # 5 whole blocks of 8 (and 3 tokens m
 SUFFIXES = random_prompts((2, 5, 9, 1, 12, 3, 7, 4), seed=8)
 LATE = random_prompts((6, 10), seed=9)  # arrive while the others decode: prefill chunks beside decodes
 MAX_TOKENS = 10
-CASCADE = dict(block_size=BS, num_kv_blocks=160, cascade_min_prefix_tokens=16, cascade_min_seqs=4, max_num_seqs=16)
+CASCADE = dict(block_size=BS, num_kv_blocks=160, cascade_attention=True, cascade_min_prefix_tokens=16,
+               cascade_min_seqs=4, max_num_seqs=16)
 
 
 def _run(engine) -> tuple[list[list[int]], list[tuple[int, bool, bool]]]:
@@ -83,7 +84,7 @@ def test_fp8_cache_with_cascade_equals_without(tiny, device, backend_name, make_
     def fp8_engine(**knobs):
         loaded = load_model(tiny.folder, dtype=torch.float32, device=device, attention_backend=backend_name,
                             kv_cache_dtype="fp8_e5m2")
-        return make_engine(loaded, **CASCADE, kv_cache_dtype="fp8_e5m2", **knobs)
+        return make_engine(loaded, **{**CASCADE, **knobs}, kv_cache_dtype="fp8_e5m2")
 
     on, steps = _run(fp8_engine())
     off, plain = _run(fp8_engine(cascade_attention=False))
@@ -138,8 +139,12 @@ def test_policy_rules():
 
 
 def test_config_checks():
-    with pytest.raises(ValueError, match="cascade_attention to be a bool"):
+    with pytest.raises(ValueError, match="cascade_attention to be None or a bool"):
         EngineConfig(cascade_attention="yes")
+    # None: on CUDA only (on the CPU the torch backend computes as many scores either way)
+    assert EngineConfig().resolved_cascade_attention(torch.device("cuda"))
+    assert not EngineConfig().resolved_cascade_attention(torch.device("cpu"))
+    assert EngineConfig(cascade_attention=True).resolved_cascade_attention(torch.device("cpu"))
     for name in ("cascade_min_prefix_tokens", "cascade_min_seqs"):
         with pytest.raises(ValueError, match=f"{name} to be an int >= 1"):
             EngineConfig(**{name: 0})

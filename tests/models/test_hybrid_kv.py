@@ -102,7 +102,8 @@ def test_cascade_over_kv_cache_groups_equals_transformers(tiny_checkpoint, backe
     """gpt-oss's requests over one cached prefix: its full group's layers attend it once per step
     (their sinks join the suffix part only), its windowed group's layers attend whole."""
     ckpt = tiny_checkpoint("gpt_oss")
-    engine = _engine(ckpt, backend_name, device, num_kv_blocks=96, cascade_min_prefix_tokens=16, cascade_min_seqs=4)
+    engine = _engine(ckpt, backend_name, device, num_kv_blocks=96, cascade_attention=True,
+                     cascade_min_prefix_tokens=16, cascade_min_seqs=4)
     gen = torch.Generator().manual_seed(6)
     prefix = torch.randint(0, 256, (26,), generator=gen).tolist()  # 6 whole blocks of 4
     prompts = [prefix + torch.randint(0, 256, (n,), generator=gen).tolist() for n in (1, 3, 6, 2, 5)]
