@@ -23,6 +23,9 @@ heads, a mask other than the 2D padding mask this registration installs, packed
 (padding-free) inputs outside `generate_batch`; and, through the backend's own checks,
 head sizes, windows or soft caps it cannot run.
 
+Host reads (which synchronise with the GPU) happen once per step, not per layer: the padding
+mask's rows are kept for the step's mask, which every layer receives (`ragged.SameTensors`).
+
 Transformers' gates (why this is the path):
 - `generate_batch` accepts, from 5.19 on, only `paged|eager`, `sdpa` or an implementation
   whose name holds "flash"; and a "flash" name must load through `lazy_import_flash_attention`
@@ -38,9 +41,11 @@ Transformers' gates (why this is the path):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from pagedattn.integrations.ragged import BACKENDS, RaggedAttention
+from pagedattn.integrations.ragged import BACKENDS, RaggedAttention, SameTensors
 
 __all__ = ["MIN_TRANSFORMERS", "generate_batch_unavailable_reason", "register"]
 
@@ -144,7 +149,10 @@ def _refuse(module, query, value, dropout, is_causal, kwargs) -> None:
 def _paged(attend, module, query, key, value, sliding_window, kwargs) -> torch.Tensor:
     """transformers 5.0-5.18's continuous batching: one [1, H, T, D] batch of ragged rows; the
     function updates the paged cache and attends over the keys it gathers, as transformers'
-    own paged functions do."""
+    own paged functions do. `max_seqlen_q`/`max_seqlen_k` are host ints in every one of those
+    versions (the batch's lengths, computed on the host as it is scheduled), so reading them
+    synchronises nothing; `cu_seq_lens_q`/`_k` are int32 device tensors, the same objects for
+    every layer of a step (the torch backend reads them once per step: `ragged.SameTensors`)."""
     k, v = kwargs["cache"].update(key_states=key, value_states=value, layer_idx=module.layer_idx,
                                   read_index=kwargs["read_index"], write_index=kwargs["write_index"])  # [Tk, Hkv, D]
     cu_k, max_k = kwargs["cu_seq_lens_k"], kwargs["max_seqlen_k"]
@@ -155,6 +163,32 @@ def _paged(attend, module, query, key, value, sliding_window, kwargs) -> torch.T
     out = attend(q, k.contiguous(), v.contiguous(), kwargs["cu_seq_lens_q"].to(torch.int32), cu_k.to(torch.int32),
                  int(kwargs["max_seqlen_q"]), int(max_k))
     return out.unsqueeze(0)  # [1, T, Hq, D]
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """The rows of a left-padded batch that are not padding, derived from its 2D mask once per
+    step (reading them synchronises; the step's layers share the mask tensor)."""
+
+    q_index: tuple[torch.Tensor, torch.Tensor]  # (batch, query position) int64 [Tq] each, row-major
+    k_index: tuple[torch.Tensor, torch.Tensor]  # (batch, key position) int64 [Tk] each
+    cu_q: torch.Tensor  # int32 [B+1]
+    cu_k: torch.Tensor  # int32 [B+1]
+    max_q: int
+    max_k: int
+
+    @classmethod
+    def of(cls, attention_mask: torch.Tensor, q_len: int) -> _Rows:
+        valid_k = attention_mask.bool()  # [B, kv_len]
+        valid_q = valid_k[:, -q_len:]  # the queries are each sequence's last keys
+        lens_q, lens_k = valid_q.sum(1, dtype=torch.int32), valid_k.sum(1, dtype=torch.int32)
+        max_q, max_k = torch.stack((lens_q.max(), lens_k.max())).tolist() if len(lens_q) else (0, 0)
+        return cls(valid_q.nonzero(as_tuple=True), valid_k.nonzero(as_tuple=True),
+                   torch.nn.functional.pad(lens_q.cumsum(0, dtype=torch.int32), (1, 0)),
+                   torch.nn.functional.pad(lens_k.cumsum(0, dtype=torch.int32), (1, 0)), max_q, max_k)
+
+
+_MASK_ROWS = SameTensors()  # the step's attention_mask -> its _Rows
 
 
 def _padded(attend, query, key, value, attention_mask) -> torch.Tensor:
@@ -171,17 +205,20 @@ def _padded(attend, query, key, value, attention_mask) -> torch.Tensor:
                      torch.arange(0, b * q_len + 1, q_len, dtype=torch.int32, device=dev),
                      torch.arange(0, b * k_len + 1, k_len, dtype=torch.int32, device=dev), q_len, k_len)
         return out.view(b, q_len, num_heads, head_size)
-    if attention_mask.dim() != 2 or attention_mask.shape[0] != b:
-        raise ValueError(f"pagedattn attention in transformers: expected attention_mask None or a 2D padding mask "
-                         f"[{b}, kv_len] (FlashAttention's, which register() installs), got shape "
-                         f"{list(attention_mask.shape)}")
-    valid_k = attention_mask.bool()  # [B, kv_len]; a static cache holds more slots than were written
-    valid_q = valid_k[:, -q_len:]
-    k, v = k[:, : valid_k.shape[1]], v[:, : valid_k.shape[1]]
-    lens_q, lens_k = valid_q.sum(1, dtype=torch.int32), valid_k.sum(1, dtype=torch.int32)
-    cu_q = torch.nn.functional.pad(lens_q.cumsum(0, dtype=torch.int32), (1, 0))
-    cu_k = torch.nn.functional.pad(lens_k.cumsum(0, dtype=torch.int32), (1, 0))
-    rows = attend(q[valid_q], k[valid_k], v[valid_k], cu_q, cu_k, int(lens_q.max()), int(lens_k.max()))
+    _check_mask(attention_mask, b, q_len, k.shape[1])
+    rows = _MASK_ROWS.get((attention_mask,), (q_len, attention_mask.shape), lambda: _Rows.of(attention_mask, q_len))
+    out_rows = attend(q[rows.q_index], k[rows.k_index], v[rows.k_index], rows.cu_q, rows.cu_k, rows.max_q, rows.max_k)
     out = q.new_zeros(b, q_len, num_heads, head_size)
-    out[valid_q] = rows
+    out[rows.q_index] = out_rows
     return out
+
+
+def _check_mask(attention_mask, b: int, q_len: int, k_len: int) -> None:
+    def bad(expected: str, got: str):
+        raise ValueError(f"pagedattn attention in transformers: expected attention_mask None or {expected} "
+                         f"(FlashAttention's 2D padding mask, which register() installs), got {got}")
+
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != b:
+        bad(f"a 2D padding mask [{b}, kv_len]", f"shape {list(attention_mask.shape)}")
+    if not q_len <= attention_mask.shape[1] <= k_len:  # fewer: a static cache holds more slots than were written
+        bad(f"kv_len between the query length {q_len} and the key length {k_len}", f"{attention_mask.shape[1]}")

@@ -193,3 +193,52 @@ def test_generate_on_interpreted_triton_kernels(tmp_path):
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "pagedattn_triton" in done.stdout
+
+
+def test_host_reads_once_per_step(monkeypatch):
+    """Every layer of a step passes the same mask (`generate`) or cu_seq_lens (`generate_batch`):
+    rows and lengths are read on the host (a synchronisation on a GPU) once for the step, not
+    per layer; a new or rewritten tensor is read again, an inference tensor (no version) always."""
+    reads = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or real_tolist(t))
+    attend = _attention(pa_hf.register("torch"))
+    q, k, v, mask = _padded_batch(lengths=(11, 6, 9))
+    layer = _Layer()
+    with torch.no_grad():
+        outs = [attend(layer, q, k, v, mask, sliding_window=w)[0] for w in (None, 4, None, 4)]
+        per_step = len(reads)  # the mask's rows and maxima; the torch backend's cu_seqlens
+        assert per_step <= 3, f"{per_step} host reads for 4 layers of one step"
+        torch.testing.assert_close(outs[2], outs[0], atol=0, rtol=0)
+        mask[0, 5] = False  # rewritten in place: read again, and the answer follows it
+        rewritten = attend(layer, q, k, v, mask)[0]
+        assert len(reads) > per_step
+        fresh = attend(layer, q, k, v, mask.clone())[0]
+        torch.testing.assert_close(rewritten, fresh, atol=0, rtol=0)
+        assert not torch.equal(rewritten, outs[0])
+    with torch.inference_mode():
+        inference_mask = mask.clone()
+        first = attend(layer, q, k, v, inference_mask)[0]
+        inference_mask[1, -1] = False
+        before = len(reads)
+        second = attend(layer, q, k, v, inference_mask)[0]
+        assert len(reads) > before and not torch.equal(first[1], second[1])
+
+
+def test_ragged_lengths_read_once_per_step(monkeypatch):
+    """The torch backend's ragged call (generate_batch's path) reads the step's cu_seqlens once
+    for all its layers, windowed or not, and again when they are rewritten."""
+    reads = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or real_tolist(t))
+    layers = [RaggedAttention("torch", num_heads=4, head_size=16, num_kv_heads=2, scale=0.25, sliding_window=w)
+              for w in (None, 3)]
+    cu_q = torch.tensor([0, 5, 6], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 12], dtype=torch.int32)
+    q, k, v = torch.randn(6, 4, 16), torch.randn(12, 2, 16), torch.randn(12, 2, 16)
+    with torch.no_grad():
+        outs = [layers[i % 2](q, k, v, cu_q, cu_k, 5, 7) for i in range(4)]
+        assert len(reads) == 2 and torch.equal(outs[0], outs[2]) and not torch.equal(outs[0], outs[1])
+        cu_q[1:] = torch.tensor([4, 6], dtype=torch.int32)  # in place: 4 queries of 5 keys, 2 of 7
+        again = layers[0](q, k, v, cu_q, cu_k, 4, 7)
+        assert len(reads) == 4 and not torch.equal(again, outs[0])
