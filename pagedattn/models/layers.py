@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedattn.layer import Attention
-from pagedattn.parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+from pagedattn.parallel.group import TPGroup
+from pagedattn.parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Split
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 STACKED_PARAMS = {
@@ -234,6 +235,23 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
         return rotary_(x, cos, sin)
     return x.copy_(apply_rope(x, cos, sin))
 
+
+
+class HeadSplitAttention(nn.Module):
+    """What a decoder attention's projections share (Llama's, Gemma 2's): `qkv_proj`, q, k and v
+    as one column-parallel matmul split over the `tp` ranks by heads (KV heads replicated when
+    there are more ranks than them), the row-parallel `o_proj`, the `head_size`, and this rank's
+    `q_size`/`kv_size` and `num_heads`/`num_kv_heads`. A family adds its `attn` and `forward`."""
+
+    def __init__(self, config, tp: TPGroup, *, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.head_size = head_size_of(config)
+        q = Split.heads(config.num_attention_heads, self.head_size, tp, "num_attention_heads")
+        kv = Split.heads(config.num_key_value_heads, self.head_size, tp, "num_key_value_heads", replicate=True)
+        self.q_size, self.kv_size = q.local, kv.local  # this rank's heads
+        self.num_heads, self.num_kv_heads = q.local // self.head_size, kv.local // self.head_size
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, (q, kv, kv), bias=qkv_bias)
+        self.o_proj = RowParallelLinear(q, config.hidden_size, bias=o_bias, tp=tp)
 
 
 class HeadNormAttention:
