@@ -6,7 +6,7 @@ import torch
 pytest.importorskip("triton")
 
 from oracle import dense_attention_with_lse, rel_l2  # noqa: E402
-from paged_kernel import attend, kernel_args, kernel_batch, oracle_options  # noqa: E402
+from paged_kernel import attend, check_contiguous_kv, kernel_args, kernel_batch, oracle_options  # noqa: E402
 
 from pagedattn.kernels import SplitKVWorkspace, paged_attention  # noqa: E402
 from pagedattn.kernels.split_kv import reduce_splits  # noqa: E402
@@ -254,28 +254,10 @@ def test_workspace_is_optional_and_too_small_runs_unsplit():
 @pytest.mark.parametrize("causal", [False, True])
 def test_contiguous_kv_with_kv_start_loc(causal):
     """Encoder / profiling path: K/V are [total_kv, Hkv, D] rows, no block table."""
-    g = torch.Generator().manual_seed(3)
     q_lens = [5, 1, 9]
     kv_lens = [8, 3, 0] if not causal else q_lens
-    num_heads, num_kv_heads, head_size = 4, 2, 48
-    q = torch.randn(sum(q_lens), num_heads, head_size, generator=g)
-    k = torch.randn(sum(kv_lens) + 2, num_kv_heads, head_size, generator=g)
-    v = torch.randn(sum(kv_lens) + 2, num_kv_heads, head_size, generator=g)
-    qsl = [0, 5, 6, 15]
-    ksl = [0, kv_lens[0], kv_lens[0] + kv_lens[1], sum(kv_lens)]
-    out = torch.empty_like(q, device=DEVICE)
-    lse = torch.empty(q.shape[:2], device=DEVICE)
-    paged_attention(
-        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), out,
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE),
-        block_tables=None, max_query_len=9, max_seq_len=9, scale=0.3, causal=causal,
-        lse=lse, kv_start_loc=torch.tensor(ksl, dtype=torch.int32, device=DEVICE))
-    for b in range(3):
-        qs, ks = slice(qsl[b], qsl[b + 1]), slice(ksl[b], ksl[b + 1])
-        ref_o, ref_l = dense_attention_with_lse(q[qs], k[ks], v[ks], scale=0.3, causal=causal)
-        torch.testing.assert_close(out[qs].double().cpu(), ref_o, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(lse[qs].double().cpu(), ref_l, atol=1e-5, rtol=1e-5)
+    lse, qsl = check_contiguous_kv(q_lens, kv_lens, num_heads=4, num_kv_heads=2, causal=causal, dtype=torch.float32,
+                                   device=DEVICE, tol=1e-5, seed=3)
     if not causal:
         assert torch.isneginf(lse[qsl[2]:]).all()  # a sequence with no keys: empty part
 
