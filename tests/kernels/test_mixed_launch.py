@@ -9,6 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from cases import GPU_ONLY_GRID  # noqa: E402
 from oracle import rel_l2  # noqa: E402
 from paged_kernel import attend, check_contiguous_kv, kernel_args, kernel_batch, oracle_options  # noqa: E402
 
@@ -109,10 +110,12 @@ def test_mixed_gqa(spy, heads, block_size):
     check_mixed(spy, make(lens, num_heads=heads[0], num_kv_heads=heads[1], block_size=block_size), 3)
 
 
-@pytest.mark.parametrize("options", [
-    dict(sliding_window=7), dict(soft_cap=1.5), dict(alibi=True),
-    dict(sliding_window=13, soft_cap=2.0, alibi=True)], ids=["window", "soft_cap", "alibi", "all"])
-@pytest.mark.parametrize("block_size", [1, 16])
+# each option alone at block size 16, all of them at 1 and 16 (the rest on CUDA)
+@pytest.mark.parametrize("block_size, options", [
+    pytest.param(bs, opts, id=f"{bs}-{name}", marks=GPU_ONLY_GRID if bs == 1 and name != "all" else ())
+    for bs in (1, 16)
+    for name, opts in (("window", dict(sliding_window=7)), ("soft_cap", dict(soft_cap=1.5)),
+                       ("alibi", dict(alibi=True)), ("all", dict(sliding_window=13, soft_cap=2.0, alibi=True)))])
 def test_mixed_options_move_the_output(spy, options, block_size):
     batch = make(MIXED["chunk_and_decodes"][0], block_size=block_size)
     options = dict(options)
@@ -132,7 +135,7 @@ def test_mixed_fp8_cache(spy, kv_cache_dtype, dtype):
     check_mixed(spy, batch, 4)
 
 
-@pytest.mark.parametrize("num_splits", [2, 3])
+@pytest.mark.parametrize("num_splits", [pytest.param(2, marks=GPU_ONLY_GRID), 3])  # 3: uneven shares
 def test_mixed_split_kv(spy, num_splits):
     """Both bodies split their keys; the decodes' partials merge like the prefill's."""
     batch = make([(60, 20), (0, 1), (100, 1), (45, 1)], block_size=5)
