@@ -50,10 +50,10 @@ the argument; nothing is silently ignored):
 - Added, as FA4 (`flash_attn.cute`) names it: keyword-only `learnable_sink`, attention sinks
   `[Hq]` float32/float16/bfloat16 (gpt-oss): one more logit per query head in the softmax's
   denominator, whose value is 0, not scaled or soft-capped; its LSE includes it.
-- Speed, not results: a non-causal call with more than one query per sequence runs each query
-  token as a sequence of its own (the kernel drops the leading rows of a non-causal sequence
-  with more queries than keys), unless every sequence is known to have no more queries than
-  keys: `cu_seqlens_k is cu_seqlens_q` (self-attention), or `Sk_new >= Sq` when appending.
+- Non-causal calls (no difference in results or launches): one launch, in which each query row
+  sees every key of its sequence (within a two-sided window, if any), as in flash-attn; a
+  sequence with more queries than keys (cross attention over a short encoder side) gets every
+  row, its first rows at negative bottom-right aligned positions, which only a window reads.
 - The cache must have room for `cache_seqlens + seqlen_new` keys when `k`/`v` are appended, as
   flash-attn requires; it is not checked, since checking would synchronise.
 Against flash-attn 3.x (`hopper/flash_attn_interface.py`): the signatures here are 2.x's.

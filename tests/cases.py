@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -21,6 +22,30 @@ import torch
 import pagedattn
 from oracle import DTYPES, assert_attention_close, tolerance_for
 from paged_batch import PagedBatch, cache_values, make_paged_batch, raw_bits
+
+# ----------------------------------------------------------------------------- the interpreter
+
+KERNEL_GRID = pytest.mark.gpu_grid(keep=("triton",))
+"""A cell of a kernel grid (a value of an option, a head size, a dtype on one more shape): on the
+CPU, where our kernels run interpreted, only the triton backend runs it; flash_attn and xformers
+run the same kernel behind their adapters, which their unmarked cells cover (conftest.py)."""
+
+GPU_ONLY_GRID = pytest.mark.gpu_grid()
+"""A cell that the unmarked cells cover on every interpreted backend; it runs on CUDA."""
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
+"""Whether the kernels run interpreted, read as the session starts (tests/kernels sets
+TRITON_INTERPRET later, for itself): a random search draws fewer examples then."""
+
+
+def grid(values, *, kernel_grid=(), gpu_only=(), ids=str):
+    """`values` for parametrize, those in `kernel_grid` marked `KERNEL_GRID`, those in `gpu_only`
+    `GPU_ONLY_GRID`."""
+    def marks(v):
+        return KERNEL_GRID if v in kernel_grid else GPU_ONLY_GRID if v in gpu_only else ()
+
+    return [pytest.param(v, id=ids(v), marks=marks(v)) for v in values]
+
 
 # ----------------------------------------------------------------------------- batch shapes
 

@@ -4,6 +4,12 @@
     pytest tests/backend --backend torch,triton      (a filter: a comma list of names)
     pytest tests/backend tests/gpu --backend triton --device cuda
 
+On the CPU our Triton kernels run interpreted (a second or more a launch), so grid cells marked
+`gpu_grid(keep=...)` (cases.py: `KERNEL_GRID`, `GPU_ONLY_GRID`) run there only for the backends
+named in `keep` (and the torch backend, which runs no Triton): cells whose code path the
+unmarked cells already take, such as a second head size of the same kernel behind the
+flash_attn and xformers adapters. With --device cuda every cell runs.
+
 Every test that takes `backend` (or `backend_name`) runs once per backend that
 `pagedattn.list_backends()` names and `--backend` keeps; one that cannot run here is reported
 as a skip with the registry's reason. Availability is read once, as the session starts (the
@@ -61,6 +67,9 @@ def _selected_backends(option: str) -> dict[str, list[str]]:
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "cuda_only: needs --device cuda (cross-device cache operations, graphs)")
+    config.addinivalue_line(
+        "markers", "gpu_grid(keep=()): on the CPU (our kernels interpreted) run only for the backends in keep "
+                   "and the torch backend; with --device cuda always (see the module doc)")
     config.stash[_STATUS] = _selected_backends(config.getoption("--backend"))
 
 
@@ -86,6 +95,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda_only" in item.keywords:
             item.add_marker(skip)
+        grid = item.get_closest_marker("gpu_grid")
+        callspec = getattr(item, "callspec", None)
+        backend = callspec.params.get("backend_name") if callspec else None
+        if grid is not None and backend != "torch" and backend not in grid.kwargs.get("keep", ()):
+            item.add_marker(pytest.mark.skip(
+                reason="gpu_grid: under the Triton interpreter the cells left in take this code path; "
+                       "runs with --device cuda"))
 
 
 @pytest.fixture(scope="session")

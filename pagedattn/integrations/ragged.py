@@ -10,14 +10,17 @@ Backends:
   (CUDA; the CPU under `TRITON_INTERPRET=1`). Nothing synchronises with the host.
 - `torch`: the reference backend through the contract (API.md §2-3): the keys become a cache of
   one-token blocks, each sequence a `ScheduledSeq` whose query tokens are its last keys, so
-  `impl.forward` sees a chunk over a cached prefix. Host lengths are read (one synchronisation
-  per distinct step; the step's layers share it), so this path does not capture in CUDA graphs.
+  `impl.forward` sees a chunk over a cached prefix. Host lengths are read once per step (the
+  step's layers pass the same, unchanged `cu_seqlens` tensors: `SameTensors`), so this path
+  does not capture in CUDA graphs.
 
 The layer's options are checked once, where the backend's contract checks them: constructing
 the backend's `AttentionImpl` refuses a head size, window or soft cap the backend cannot run.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 
@@ -78,22 +81,66 @@ class RaggedAttention:
         return out
 
 
+class SameTensors:
+    """Values derived from device tensors (lengths read on the host, which synchronises), kept
+    while later calls pass the same tensors again: a model's layers make the same calls one after
+    another with one step's tensors (a few sets of them: one per layer type of a hybrid model).
+
+    Same: the same objects (held here, so an id is never reused), at the same version (any
+    in-place write bumps it), with equal `extra`. Inference tensors keep no version, so they
+    never match and their value is derived on every call.
+    """
+
+    def __init__(self, slots: int = 4) -> None:
+        self._slots = slots
+        self._entries: list[tuple] = []  # (tensors, versions, extra, value), most recent last
+
+    def get(self, tensors: tuple, extra, derive):
+        """tensors: a tuple of tensors or None; extra: anything else the value depends on (==);
+        derive: () -> the value, called unless an entry has the same tensors and extra."""
+        versions = _versions(tensors)
+        if versions is not None:
+            for entry in reversed(self._entries):
+                if entry[1] == versions and entry[2] == extra and all(a is b for a, b in zip(entry[0], tensors)):
+                    return entry[3]
+        value = derive()
+        if versions is not None:
+            self._entries = [*self._entries[1 - self._slots:], (tensors, versions, extra, value)]
+        return value
+
+
+def _versions(tensors: tuple) -> tuple | None:
+    if any(t is not None and t.is_inference() for t in tensors):
+        return None
+    return tuple(None if t is None else t._version for t in tensors)
+
+
 class _Step:
     """The metadata of one ragged call for the torch backend, and the row orders it needs (prefills
-    first, as the contract wants). Kept for the next call with the same lengths and window: a
-    model's layers make the same call one after another."""
+    first, as the contract wants). Kept while the step's lengths stay: a model's layers make the
+    same call one after another (with a window or without, layer by layer in a hybrid model)."""
 
-    _last: tuple | None = None
+    _lengths = SameTensors()  # the step's cu_seqlens tensors -> their host lists, read once
+    _steps: ClassVar[dict] = {}  # (lengths, window, builder, device) -> _Step: a step's layer types, a few steps
 
     def __init__(self, q_rows: torch.Tensor, new_k_rows: torch.Tensor, md):
         self.q_rows, self.new_k_rows, self.md = q_rows, new_k_rows, md
 
     @classmethod
     def of(cls, cu_seqlens_q, cu_seqlens_k, sliding_window, builder_cls, device) -> _Step:
-        cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-        key = (tuple(cu_q), tuple(cu_k), sliding_window, builder_cls, device)
-        if cls._last is not None and cls._last[0] == key:
-            return cls._last[1]
+        cu_q, cu_k = cls._lengths.get((cu_seqlens_q, cu_seqlens_k), None,
+                                      lambda: (tuple(cu_seqlens_q.tolist()), tuple(cu_seqlens_k.tolist())))
+        key = (cu_q, cu_k, sliding_window, builder_cls, device)
+        step = cls._steps.get(key)
+        if step is None:
+            step = cls._build(cu_q, cu_k, sliding_window, builder_cls, device)
+            if len(cls._steps) >= 8:
+                cls._steps.clear()  # earlier steps' metadata, done with
+            cls._steps[key] = step
+        return step
+
+    @classmethod
+    def _build(cls, cu_q: tuple[int, ...], cu_k: tuple[int, ...], sliding_window, builder_cls, device) -> _Step:
         seqs = []
         for b in range(len(cu_q) - 1):
             q_len, k_len = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
@@ -106,6 +153,4 @@ class _Step:
         seqs.sort(key=lambda s: s[0])  # prefills first (a stable sort keeps the rest in order)
         md = builder_cls(1, device, sliding_window=sliding_window).build([s[1] for s in seqs])
         rows = lambda i: torch.tensor([r for s in seqs for r in s[i]], dtype=torch.long, device=device)  # noqa: E731
-        step = cls(rows(2), rows(3), md)
-        cls._last = (key, step)
-        return step
+        return cls(rows(2), rows(3), md)

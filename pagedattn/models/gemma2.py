@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedattn.layer import Attention
-from pagedattn.models.layers import (RotaryEmbedding, STACKED_PARAMS, apply_rope, float_logits, head_size_of,
-                                     layer_sliding_windows, load_weights, rope_inv_freq)
+from pagedattn.models.layers import (RotaryEmbedding, STACKED_PARAMS, HeadSplitAttention, apply_rope, float_logits,
+                                     head_size_of, layer_sliding_windows, load_weights, rope_inv_freq)
 from pagedattn.parallel.group import TPGroup
 from pagedattn.parallel.layers import (SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Split,
                                        VocabParallelEmbedding)
@@ -42,18 +42,11 @@ class Gemma2RMSNorm(nn.Module):
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
 
 
-class Gemma2Attention(nn.Module):
+class Gemma2Attention(HeadSplitAttention):
     def __init__(self, config, layer_idx: int, sliding_window: int | None, *,
                  attention_backend: str, kv_cache_dtype: str, tp: TPGroup) -> None:
-        super().__init__()
-        self.head_size = head_size_of(config)
-        q = Split.heads(config.num_attention_heads, self.head_size, tp, "num_attention_heads")
-        kv = Split.heads(config.num_key_value_heads, self.head_size, tp, "num_key_value_heads", replicate=True)
-        self.q_size, self.kv_size = q.local, kv.local  # this rank's heads
-        self.num_heads, self.num_kv_heads = q.local // self.head_size, kv.local // self.head_size
         bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = ColumnParallelLinear(config.hidden_size, (q, kv, kv), bias=bias)
-        self.o_proj = RowParallelLinear(q, config.hidden_size, bias=bias, tp=tp)
+        super().__init__(config, tp, qkv_bias=bias, o_bias=bias)
         self.attn = Attention(
             self.num_heads,
             self.head_size,

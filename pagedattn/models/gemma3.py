@@ -18,7 +18,13 @@ from torch import nn
 
 from pagedattn.models.attention_spec import layer_attention_specs
 from pagedattn.models.gemma2 import Gemma2Attention, Gemma2DecoderLayer, Gemma2ForCausalLM, Gemma2RMSNorm
-from pagedattn.models.layers import RotaryEmbedding, apply_rope, head_size_of, rope_attention_factor, rope_inv_freq
+from pagedattn.models.layers import (
+    HeadNormAttention,
+    RotaryEmbedding,
+    head_size_of,
+    rope_attention_factor,
+    rope_inv_freq,
+)
 from pagedattn.parallel.layers import VocabParallelEmbedding
 
 # Weight-name prefixes of the image-text checkpoints: (transformers 4's, transformers 5's) text
@@ -27,20 +33,10 @@ _TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
-class Gemma3Attention(Gemma2Attention):
-    def __init__(self, config, layer_idx: int, sliding_window: int | None, **kwargs) -> None:
-        super().__init__(config, layer_idx, sliding_window, **kwargs)
-        self.q_norm = Gemma2RMSNorm(self.head_size, config.rms_norm_eps)
-        self.k_norm = Gemma2RMSNorm(self.head_size, config.rms_norm_eps)
+class Gemma3Attention(HeadNormAttention, Gemma2Attention):
+    """Gemma 2's attention with per-head q/k norms (`q_norm`, `k_norm`, Gemma's RMSNorm)."""
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden]; cos, sin: [T, 1, D/2] of this layer's RoPE -> [T, hidden]."""
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = apply_rope(self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_size)), cos, sin)  # [T, Hq, D]
-        k = apply_rope(self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_size)), cos, sin)  # [T, Hkv, D]
-        out = self.attn(q.reshape(num_tokens, self.q_size), k.reshape(num_tokens, self.kv_size), v)
-        return self.o_proj(out)
+    head_norm_cls = Gemma2RMSNorm
 
 
 class Gemma3DecoderLayer(Gemma2DecoderLayer):

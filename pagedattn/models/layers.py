@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedattn.layer import Attention
-from pagedattn.parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+from pagedattn.parallel.group import TPGroup
+from pagedattn.parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Split
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 STACKED_PARAMS = {
@@ -234,6 +235,50 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
         return rotary_(x, cos, sin)
     return x.copy_(apply_rope(x, cos, sin))
 
+
+
+class HeadSplitAttention(nn.Module):
+    """What a decoder attention's projections share (Llama's, Gemma 2's): `qkv_proj`, q, k and v
+    as one column-parallel matmul split over the `tp` ranks by heads (KV heads replicated when
+    there are more ranks than them), the row-parallel `o_proj`, the `head_size`, and this rank's
+    `q_size`/`kv_size` and `num_heads`/`num_kv_heads`. A family adds its `attn` and `forward`."""
+
+    def __init__(self, config, tp: TPGroup, *, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.head_size = head_size_of(config)
+        q = Split.heads(config.num_attention_heads, self.head_size, tp, "num_attention_heads")
+        kv = Split.heads(config.num_key_value_heads, self.head_size, tp, "num_key_value_heads", replicate=True)
+        self.q_size, self.kv_size = q.local, kv.local  # this rank's heads
+        self.num_heads, self.num_kv_heads = q.local // self.head_size, kv.local // self.head_size
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, (q, kv, kv), bias=qkv_bias)
+        self.o_proj = RowParallelLinear(q, config.hidden_size, bias=o_bias, tp=tp)
+
+
+class HeadNormAttention:
+    """An attention whose query and key heads are each normalised over the head dimension before
+    RoPE (Qwen3, Gemma 3): `q_norm` and `k_norm`, one weight [D] each, of the family's RMSNorm.
+
+    A mixin ahead of the family's attention (`class Qwen3Attention(HeadNormAttention,
+    LlamaAttention)`), whose `qkv_proj`, `o_proj`, `attn`, `head_size`, head counts and sizes it
+    uses; `head_norm_cls` names the norm (Gemma's scales by `1 + weight`)."""
+
+    head_norm_cls: type[nn.Module] = RMSNorm
+
+    def __init__(self, config, layer_idx: int, sliding_window: int | None, **kwargs) -> None:
+        super().__init__(config, layer_idx, sliding_window, **kwargs)
+        self.q_norm = self.head_norm_cls(self.head_size, config.rms_norm_eps)
+        self.k_norm = self.head_norm_cls(self.head_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden]; cos, sin: [T, 1, D/2] of this layer's RoPE -> [T, hidden]."""
+        num_tokens, d = x.shape[0], self.head_size
+        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = self.q_norm(q.reshape(num_tokens * self.num_heads, d))  # one row per head: [T Hq, D]
+        k = self.k_norm(k.reshape(num_tokens * self.num_kv_heads, d))  # [T Hkv, D]
+        qk = torch.cat((q.view(num_tokens, self.num_heads, d), k.view(num_tokens, self.num_kv_heads, d)), dim=1)
+        apply_rope_(qk, cos, sin)  # [T, Hq + Hkv, D]: q and k heads in one pass, in place
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v))
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2I], gate then up (a stacked projection) -> silu(gate) * up, [T, I]; on CUDA one

@@ -20,15 +20,15 @@ import torch
 from torch import nn
 
 from pagedattn.layer import Attention
-from pagedattn.models.layers import (RMSNorm, RotaryEmbedding, STACKED_PARAMS, apply_rope_, float_logits, head_size_of,
-                                     layer_sliding_windows, load_weights, rope_attention_factor, rope_inv_freq,
-                                     silu_and_mul)
+from pagedattn.models.layers import (RMSNorm, RotaryEmbedding, STACKED_PARAMS, HeadSplitAttention, apply_rope_,
+                                     float_logits, head_size_of, layer_sliding_windows, load_weights,
+                                     rope_attention_factor, rope_inv_freq, silu_and_mul)
 from pagedattn.parallel.group import TPGroup
 from pagedattn.parallel.layers import (SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Split,
                                        VocabParallelEmbedding)
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(HeadSplitAttention):
     def __init__(
         self,
         config,
@@ -42,14 +42,7 @@ class LlamaAttention(nn.Module):
         tp: TPGroup,
         sinks: bool = False,
     ) -> None:
-        super().__init__()
-        self.head_size = head_size_of(config)
-        q = Split.heads(config.num_attention_heads, self.head_size, tp, "num_attention_heads")
-        kv = Split.heads(config.num_key_value_heads, self.head_size, tp, "num_key_value_heads", replicate=True)
-        self.q_size, self.kv_size = q.local, kv.local  # this rank's heads
-        self.num_heads, self.num_kv_heads = q.local // self.head_size, kv.local // self.head_size
-        self.qkv_proj = ColumnParallelLinear(config.hidden_size, (q, kv, kv), bias=qkv_bias)
-        self.o_proj = RowParallelLinear(q, config.hidden_size, bias=o_bias, tp=tp)
+        super().__init__(config, tp, qkv_bias=qkv_bias, o_bias=o_bias)
         # gpt-oss: a learned sink logit per query head [Hq], which the attention reads at each call
         # (a model with sinks refuses tensor parallelism: `supports_tensor_parallel`)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if sinks else None

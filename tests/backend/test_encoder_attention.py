@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pagedattn
-from cases import refusal_guard, skip_refused_dtype, skip_unsupported_head_size
+from cases import KERNEL_GRID, refusal_guard, skip_refused_dtype, skip_unsupported_head_size
 from oracle import assert_attention_close, assert_outputs_differ, dense_attention, tolerance_for
 from paged_batch import CacheLayout, allocate_tables, make_garbage_cache, raw_bits, slot_of
 
@@ -200,7 +200,9 @@ def test_encoder_decoder_metadata_fields(backend, device, model_dtype):
         assert row[:len(ct)] == ct
 
 
-@pytest.mark.parametrize("heads", [(1, 1), (16, 16), (8, 2)], ids=["mha1", "mha16", "gqa"])
+@pytest.mark.parametrize("heads", [pytest.param((1, 1), id="mha1"),
+                                   pytest.param((16, 16), id="mha16", marks=KERNEL_GRID),
+                                   pytest.param((8, 2), id="gqa")])
 @pytest.mark.parametrize("from_cache", [True, False], ids=["cache", "step"])
 def test_cross_attention_with_more_queries_than_encoder_tokens(backend, device, model_dtype, heads,
                                                                from_cache):

@@ -6,7 +6,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import pagedattn
-from cases import make_scenario, shapes
+from cases import KERNEL_GRID, make_scenario, shapes
 from oracle import tolerance_for
 
 MIXED = shapes("mixed")[0]
@@ -59,6 +59,7 @@ class TinyModel(nn.Module):
         return x
 
 
+@KERNEL_GRID  # the backend runs inside the registered op, which dynamo does not trace
 def test_tiny_model_compiles_fullgraph(backend, backend_name, device, model_dtype):
     sc = make_scenario(backend, MIXED, device=device, dtype=model_dtype, seed=72)
     torch.manual_seed(0)
@@ -110,6 +111,7 @@ def test_layer_goes_through_the_registered_op(backend, backend_name, device, mod
     assert {f.overloadpacket for f, _, _ in rec.calls} == {packet}
 
 
+@KERNEL_GRID  # one op, one schema: the backends differ inside it, which test_layer_equals_impl covers
 def test_opcheck(backend, backend_name, device, model_dtype):
     """torch.library.opcheck on the op exactly as the layer calls it (schema, fake, aot)."""
     sc = make_scenario(backend, MIXED, device=device, dtype=model_dtype, seed=74)

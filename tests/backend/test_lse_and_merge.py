@@ -142,3 +142,66 @@ def test_merge_attn_states_rules(device):
     torch.testing.assert_close(out_a, expect, atol=1e-6, rtol=1e-5)
     with pytest.raises(ValueError, match="lse_b"):
         pagedattn.merge_attn_states(out_a, lse_a, out_b, lse_b[:2])
+
+
+def _merge_parts(device, t=3, h=2, d=8):
+    g = torch.Generator().manual_seed(7)
+    out_a, out_b = (torch.randn(t, h, d, generator=g).to(device) for _ in range(2))
+    lse_a, lse_b = (torch.randn(t, h, generator=g).to(device) for _ in range(2))
+    return out_a, lse_a, out_b, lse_b
+
+
+def _bad_merges(device):
+    """name -> (error, match, args, kwargs, the four parts, which must stay unchanged)."""
+    parts = a, la, b, lb = _merge_parts(device)
+    buf = torch.zeros(4, 2, 8, device=device)
+    expanded = torch.zeros(1, 2, 8, device=device).expand(3, 2, 8)
+    a1, b1 = a[..., :1].contiguous(), b[..., :1].contiguous()
+    cases = {
+        "lse_a not a tensor": (TypeError, "expected lse_a a torch.Tensor", (a, la.tolist(), b, lb), {}),
+        "out not a tensor": (TypeError, "expected out a torch.Tensor or None", parts, {"out": [0]}),
+        "lse_a rank": (ValueError, r"lse_a float32 \[T, H\]", (a, la[:, 0], b, lb), {}),
+        "lse_a float64": (ValueError, "lse_a float32", (a, la.double(), b, lb), {}),
+        "out_a rank": (ValueError, r"out_a \[3, 2, D\] or \[3, 2\*D\]", (a[None], la, b[None], lb), {}),
+        "out_a heads": (ValueError, r"out_a \[3, 2, D\]", (a[:, :1], la, b[:, :1], lb), {}),
+        "out_b shape": (ValueError, r"out_b of \[3, 2, 8\]", (a, la, b.flatten(1), lb), {}),
+        "lse_b rows": (ValueError, r"lse_b of \[3, 2\]", (a, la, b, lb[:2]), {}),
+        "lse_b float16": (ValueError, "lse_b float32", (a, la, b, lb.half()), {}),
+        "out_b int": (ValueError, "out_b float32/float16/bfloat16", (a, la, b.int(), lb), {}),
+        "out_lse shape": (ValueError, r"out_lse of \[3, 2\]", parts, {"out_lse": la[None]}),
+        "lse_a on meta": (ValueError, "lse_a of .* on meta", (a, la.to("meta"), b, lb), {}),
+        "requires grad": (ValueError, "out_a without requires_grad", (a.clone().requires_grad_(), la, b, lb), {}),
+        "out expanded": (ValueError, "distinct memory", parts, {"out": expanded}),
+        "out shifted over out_a": (ValueError, "overlaps out_a", (buf[:3], la, b, lb), {"out": buf[1:]}),
+        "out over lse_a": (ValueError, "overlaps lse_a", (a1, la, b1, lb), {"out": la[..., None]}),
+        "out_lse over out_a": (ValueError, "overlaps out_a", parts, {"out_lse": a[..., 0]}),
+        "out fp16 over out_a": (ValueError, "overlaps out_a", parts, {"out": a.view(torch.float16)[..., :8]}),
+    }
+    return {name: (*case, parts) for name, case in cases.items()}
+
+
+@pytest.mark.parametrize("case", list(_bad_merges("cpu")))
+def test_merge_attn_states_bad_input(device, case):
+    """Every bad argument is refused before anything is written, naming what was expected."""
+    error, match, args, kwargs, parts = _bad_merges(device)[case]
+    before = [x.clone() for x in parts]
+    with pytest.raises(error, match=match):
+        pagedattn.merge_attn_states(*args, **kwargs)
+    assert all(torch.equal(x, y) for x, y in zip(parts, before))
+
+
+def test_merge_attn_states_allowed_aliases(device):
+    """Writing over an input itself (out=out_b, out_lse=lse_b), into strided rows, or into fp16 is allowed
+    and gives the same answer as a fresh result."""
+    out_a, lse_a, out_b, lse_b = _merge_parts(device)
+    ref, ref_lse = pagedattn.merge_attn_states(out_a, lse_a, out_b, lse_b)
+    rows = torch.zeros(3, 2 * 16, device=device)[:, ::2]  # [T, H*D] with a row stride of 32
+    out, lse = pagedattn.merge_attn_states(out_a.flatten(1), lse_a, out_b.flatten(1), lse_b, out=rows)
+    assert out is rows
+    torch.testing.assert_close(out.view(3, 2, 8), ref, atol=1e-6, rtol=1e-6)
+    half, _ = pagedattn.merge_attn_states(out_a, lse_a, out_b, lse_b, out=torch.empty_like(out_a, dtype=torch.float16))
+    torch.testing.assert_close(half.float(), ref, atol=2e-3, rtol=2e-3)
+    out, lse = pagedattn.merge_attn_states(out_a, lse_a, out_b, lse_b, out=out_b, out_lse=lse_b)
+    assert out is out_b and lse is lse_b
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-6, rtol=1e-6)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pagedattn
-from cases import Shape, make_scenario, refusal_guard, small_head_size
+from cases import Shape, grid, make_scenario, refusal_guard, small_head_size
 from oracle import assert_attention_close, dense_attention, tolerance_for
 from paged_batch import CacheLayout, cache_values, write_tokens
 
@@ -36,7 +36,7 @@ def _pool(layout, cache_dtype, device, unwritten: str, g) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "fp8_e5m2"])
-@pytest.mark.parametrize("step", list(STEPS))
+@pytest.mark.parametrize("step", grid(list(STEPS), kernel_grid=["prefill", "decodes"]))  # mixed holds both
 def test_unwritten_slots_never_reach_the_output(backend, device, model_dtype, step,
                                                 kv_cache_dtype):
     d = small_head_size(backend)

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from cases import make_scenario, shapes
+from cases import KERNEL_GRID, grid, make_scenario, shapes
 from oracle import tolerance_for
 
 
-@pytest.mark.parametrize("shape", shapes("mixed", "many_decodes"), ids=str)
+@pytest.mark.parametrize("shape", grid(shapes("mixed", "many_decodes"), kernel_grid=shapes("many_decodes")))
 def test_output_is_written_in_place(backend, device, model_dtype, shape):
     sc = make_scenario(backend, shape, device=device, dtype=model_dtype, seed=30)
     poisoned = torch.full((sc.num_tokens, sc.num_heads * sc.head_size), float("nan"),
@@ -32,8 +32,8 @@ def test_output_matches_fresh_result(backend, device, model_dtype):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
-@pytest.mark.parametrize("lens", [((0, 40), (0, 7), (0, 1)), ((0, 300),)],
-                         ids=["three_prompts", "one_prompt"])
+@pytest.mark.parametrize("lens", [pytest.param(((0, 40), (0, 7), (0, 1)), id="three_prompts"),
+                                  pytest.param(((0, 300),), id="one_prompt", marks=KERNEL_GRID)])
 def test_profiling_call_with_empty_cache(backend, device, model_dtype, lens, kv_cache_dtype):
     """A profile run passes a cache with numel 0: no store, plain causal prefill."""
     from cases import Shape

@@ -157,9 +157,76 @@ def test_refusals():
         attend(layer, q, k, v, None, cu_seq_lens_q=torch.tensor([0, 11], dtype=torch.int32))
     with torch.enable_grad(), pytest.raises(ValueError, match="requires_grad"):
         attend(layer, q.requires_grad_(), k, v, mask)
-    # a backend outside BACKENDS: refused by name where it runs, by the registry's reasons elsewhere
-    with pytest.raises((ValueError, pagedattn.BackendUnavailableError), match="expected backend in|cannot run"):
+    with pytest.raises(ValueError, match="expected backend in"):  # outside BACKENDS, wherever it runs
         pa_hf.register("xformers")
+
+
+def _bad_calls():
+    q, k, v, mask = _padded_batch()  # q [2, 4, 11, 32], k/v [2, 2, 11, 32], mask [2, 11]
+    return {
+        "query rank": (ValueError, r"query\.shape \[B, H, S, D\]", (q[0], k, v, mask), {}),
+        "key batch": (ValueError, r"key\.shape \[2, Hkv, Sk, 32\]", (q, k[:1], v[:1], mask), {}),
+        "key head size": (ValueError, r"key\.shape", (q, k[..., :16], v, mask), {}),
+        "value length": (ValueError, r"value\.shape\[:3\]", (q, k, v[:, :, :9], mask), {}),
+        "more queries than keys": (ValueError, r"key\.shape\[2\] >= the query length 11",
+                                   (q, k[:, :, :5], v[:, :, :5], None), {}),
+        "empty query": (ValueError, "zero dimension", (q[:, :, :0], k, v, mask[:, :0]), {}),
+        "key not a tensor": (TypeError, "expected key a torch.Tensor", (q, k.tolist(), v, mask), {}),
+        "scaling str": (TypeError, "expected scaling a float", (q, k, v, mask), {"scaling": "0.3"}),
+        "float mask": (ValueError, "bool or integer mask", (q, k, v, mask.float()), {}),
+        "additive mask": (ValueError, "bool or integer mask", (q, k, v, torch.zeros(2, 11)), {}),
+        "mask wider than keys": (ValueError, "kv_len between", (q, k, v, torch.ones(2, 12, dtype=torch.bool)), {}),
+        "mask narrower than queries": (ValueError, "kv_len between", (q, k, v, mask[:, :4]), {}),
+        "mask batch": (ValueError, r"2D padding mask \[2, kv_len\]", (q, k, v, mask[:1]), {}),
+        "mask list": (TypeError, "expected attention_mask None or a torch.Tensor", (q, k, v, mask.tolist()), {}),
+        "packed position_ids": (ValueError, "position_ids restart", (q[:1], k[:1], v[:1], None),
+                                {"position_ids": torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4]])}),
+        "packed cu_seq_lens_k": (ValueError, "cu_seq_lens_k outside generate_batch", (q, k, v, None),
+                                 {"cu_seq_lens_k": torch.tensor([0, 11], dtype=torch.int32)}),
+        "packed max_length_q": (ValueError, "max_length_q outside generate_batch", (q, k, v, None),
+                                {"max_length_q": 11}),
+        "window 0": (ValueError, "sliding_window", (q, k, v, mask), {"sliding_window": 0}),
+        "softcap 0": (ValueError, "soft_cap", (q, k, v, mask), {"softcap": 0.0}),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_calls()))
+def test_bad_calls_raise_clear_errors(case):
+    """Odd inputs a caller (or another transformers version) may hand the attention function: a
+    clear error naming what was expected, never an index past a tensor or a wrong silent answer."""
+    error, match, args, kwargs = _bad_calls()[case]
+    attend = _attention(pa_hf.register("torch"))
+    with torch.no_grad(), pytest.raises(error, match=match):
+        attend(_Layer(), *args, **kwargs)
+
+
+def test_unpacked_position_ids_run():
+    """One row of increasing positions (a prompt continuing at any offset) is not packed."""
+    attend = _attention(pa_hf.register("torch"))
+    q, k, v, _ = _padded_batch(lengths=(11,))
+    with torch.no_grad():
+        plain, _ = attend(_Layer(), q, k, v, None)
+        offset, _ = attend(_Layer(), q, k, v, None, position_ids=torch.arange(7, 18)[None])
+    torch.testing.assert_close(offset, plain, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name, error, match", [
+    ("nope", ValueError, r"expected backend in \['auto', 'triton', 'torch'\], got 'nope'"),
+    ("TRITON", ValueError, "got 'TRITON'"),
+    (" torch", ValueError, "got ' torch'"),
+    ("flash_attn", ValueError, "got 'flash_attn'"),
+    (None, TypeError, "expected backend a str"),
+    (3, TypeError, "got int 3"),
+])
+def test_register_refuses_bad_backend_names(name, error, match):
+    with pytest.raises(error, match=match):
+        pa_hf.register(name)
+
+
+def test_register_refuses_auto_resolving_elsewhere(monkeypatch):
+    monkeypatch.setenv("PAGEDATTN_BACKEND", "flash_attn")
+    with pytest.raises((ValueError, pagedattn.BackendUnavailableError), match="resolved to 'flash_attn'|cannot run"):
+        pa_hf.register("auto")
 
 
 def test_refuses_old_transformers(monkeypatch):
@@ -193,3 +260,52 @@ def test_generate_on_interpreted_triton_kernels(tmp_path):
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "pagedattn_triton" in done.stdout
+
+
+def test_host_reads_once_per_step(monkeypatch):
+    """Every layer of a step passes the same mask (`generate`) or cu_seq_lens (`generate_batch`):
+    rows and lengths are read on the host (a synchronisation on a GPU) once for the step, not
+    per layer; a new or rewritten tensor is read again, an inference tensor (no version) always."""
+    reads = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or real_tolist(t))
+    attend = _attention(pa_hf.register("torch"))
+    q, k, v, mask = _padded_batch(lengths=(11, 6, 9))
+    layer = _Layer()
+    with torch.no_grad():
+        outs = [attend(layer, q, k, v, mask, sliding_window=w)[0] for w in (None, 4, None, 4)]
+        per_step = len(reads)  # the mask's rows and maxima; the torch backend's cu_seqlens
+        assert per_step <= 3, f"{per_step} host reads for 4 layers of one step"
+        torch.testing.assert_close(outs[2], outs[0], atol=0, rtol=0)
+        mask[0, 5] = False  # rewritten in place: read again, and the answer follows it
+        rewritten = attend(layer, q, k, v, mask)[0]
+        assert len(reads) > per_step
+        fresh = attend(layer, q, k, v, mask.clone())[0]
+        torch.testing.assert_close(rewritten, fresh, atol=0, rtol=0)
+        assert not torch.equal(rewritten, outs[0])
+    with torch.inference_mode():
+        inference_mask = mask.clone()
+        first = attend(layer, q, k, v, inference_mask)[0]
+        inference_mask[1, -1] = False
+        before = len(reads)
+        second = attend(layer, q, k, v, inference_mask)[0]
+        assert len(reads) > before and not torch.equal(first[1], second[1])
+
+
+def test_ragged_lengths_read_once_per_step(monkeypatch):
+    """The torch backend's ragged call (generate_batch's path) reads the step's cu_seqlens once
+    for all its layers, windowed or not, and again when they are rewritten."""
+    reads = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or real_tolist(t))
+    layers = [RaggedAttention("torch", num_heads=4, head_size=16, num_kv_heads=2, scale=0.25, sliding_window=w)
+              for w in (None, 3)]
+    cu_q = torch.tensor([0, 5, 6], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 12], dtype=torch.int32)
+    q, k, v = torch.randn(6, 4, 16), torch.randn(12, 2, 16), torch.randn(12, 2, 16)
+    with torch.no_grad():
+        outs = [layers[i % 2](q, k, v, cu_q, cu_k, 5, 7) for i in range(4)]
+        assert len(reads) == 2 and torch.equal(outs[0], outs[2]) and not torch.equal(outs[0], outs[1])
+        cu_q[1:] = torch.tensor([4, 6], dtype=torch.int32)  # in place: 4 queries of 5 keys, 2 of 7
+        again = layers[0](q, k, v, cu_q, cu_k, 4, 7)
+        assert len(reads) == 4 and not torch.equal(again, outs[0])

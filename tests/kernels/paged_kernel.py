@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 import pagedattn
+from oracle import dense_attention_with_lse
 from paged_batch import Lens, PagedBatch, make_paged_batch
 
 # A (2, num_blocks, block_size, Hkv, D) pool: K and V are the [num_blocks, block_size, Hkv, D]
@@ -81,3 +82,32 @@ def oracle_options(kernel_options: dict) -> dict:
     names = {"soft_cap": "logits_soft_cap", "sliding_window": "sliding_window",
              "alibi_slopes": "alibi_slopes", "sinks": "sinks"}
     return {names[k]: v for k, v in kernel_options.items() if k in names}
+
+
+def check_contiguous_kv(q_lens: list[int], kv_lens: list[int], *, num_heads: int, num_kv_heads: int, causal: bool,
+                        dtype: torch.dtype, device, tol: float, seed: int, head_size: int = 48,
+                        **kernel_options) -> tuple[torch.Tensor, list[int]]:
+    """One `paged_attention` launch over contiguous K/V rows ([total_kv + 2, Hkv, D], sequence b's
+    keys at `kv_start_loc[b]`, no block table; the encoder, cross-attention and profiling path),
+    each sequence's output and LSE held to the dense oracle. Returns (lse [T, Hq], query starts)."""
+    from pagedattn.kernels import paged_attention
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(q_lens), num_heads, head_size, generator=g).to(dtype)
+    k, v = (torch.randn(sum(kv_lens) + 2, num_kv_heads, head_size, generator=g).to(dtype) for _ in range(2))
+    qsl = [sum(q_lens[:i]) for i in range(len(q_lens) + 1)]
+    ksl = [sum(kv_lens[:i]) for i in range(len(kv_lens) + 1)]
+    out = torch.empty_like(q, device=device)
+    lse = torch.empty(q.shape[:2], device=device)
+    paged_attention(
+        q.to(device), k.to(device), v.to(device), out,
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device),
+        block_tables=None, max_query_len=max(q_lens), max_seq_len=max(kv_lens), scale=0.3, causal=causal,
+        lse=lse, kv_start_loc=torch.tensor(ksl, dtype=torch.int32, device=device), **kernel_options)
+    for b in range(len(q_lens)):
+        qs, ks = slice(qsl[b], qsl[b + 1]), slice(ksl[b], ksl[b + 1])
+        ref_o, ref_l = dense_attention_with_lse(q[qs], k[ks], v[ks], scale=0.3, causal=causal)
+        torch.testing.assert_close(out[qs].double().cpu(), ref_o, atol=tol, rtol=tol)
+        torch.testing.assert_close(lse[qs].double().cpu(), ref_l, atol=tol, rtol=tol)
+    return lse, qsl

@@ -9,10 +9,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from oracle import dense_attention_with_lse, rel_l2  # noqa: E402
-from paged_kernel import attend, kernel_args, kernel_batch, oracle_options  # noqa: E402
+from cases import GPU_ONLY_GRID  # noqa: E402
+from oracle import rel_l2  # noqa: E402
+from paged_kernel import attend, check_contiguous_kv, kernel_args, kernel_batch, oracle_options  # noqa: E402
 
-from pagedattn.kernels import SplitKVWorkspace, paged_attention  # noqa: E402
+from pagedattn.kernels import SplitKVWorkspace  # noqa: E402
 from pagedattn.kernels import paged_attention_config as config  # noqa: E402
 
 launcher = importlib.import_module("pagedattn.kernels.paged_attention")  # the package's name is the function
@@ -109,10 +110,12 @@ def test_mixed_gqa(spy, heads, block_size):
     check_mixed(spy, make(lens, num_heads=heads[0], num_kv_heads=heads[1], block_size=block_size), 3)
 
 
-@pytest.mark.parametrize("options", [
-    dict(sliding_window=7), dict(soft_cap=1.5), dict(alibi=True),
-    dict(sliding_window=13, soft_cap=2.0, alibi=True)], ids=["window", "soft_cap", "alibi", "all"])
-@pytest.mark.parametrize("block_size", [1, 16])
+# each option alone at block size 16, all of them at 1 and 16 (the rest on CUDA)
+@pytest.mark.parametrize("block_size, options", [
+    pytest.param(bs, opts, id=f"{bs}-{name}", marks=GPU_ONLY_GRID if bs == 1 and name != "all" else ())
+    for bs in (1, 16)
+    for name, opts in (("window", dict(sliding_window=7)), ("soft_cap", dict(soft_cap=1.5)),
+                       ("alibi", dict(alibi=True)), ("all", dict(sliding_window=13, soft_cap=2.0, alibi=True)))])
 def test_mixed_options_move_the_output(spy, options, block_size):
     batch = make(MIXED["chunk_and_decodes"][0], block_size=block_size)
     options = dict(options)
@@ -132,7 +135,7 @@ def test_mixed_fp8_cache(spy, kv_cache_dtype, dtype):
     check_mixed(spy, batch, 4)
 
 
-@pytest.mark.parametrize("num_splits", [2, 3])
+@pytest.mark.parametrize("num_splits", [pytest.param(2, marks=GPU_ONLY_GRID), 3])  # 3: uneven shares
 def test_mixed_split_kv(spy, num_splits):
     """Both bodies split their keys; the decodes' partials merge like the prefill's."""
     batch = make([(60, 20), (0, 1), (100, 1), (45, 1)], block_size=5)
@@ -164,31 +167,12 @@ def test_multi_token_decodes(spy):
 def test_mixed_contiguous_kv(spy, causal):
     """Keys as rows of contiguous [total_kv, Hkv, D] tensors (`kv_start_loc`): fresh prompts
     (causal: one key per decode-like sequence of length 1) or cross attention (non-causal)."""
-    g = torch.Generator().manual_seed(11)
     q_lens = [40, 1, 1, 2]
     kv_lens = q_lens if causal else [30, 50, 7, 0]
-    num_heads, num_kv_heads, head_size = 8, 2, 48
-    q = torch.randn(sum(q_lens), num_heads, head_size, generator=g).to(DTYPE)
-    k = torch.randn(sum(kv_lens) + 2, num_kv_heads, head_size, generator=g).to(DTYPE)
-    v = torch.randn(sum(kv_lens) + 2, num_kv_heads, head_size, generator=g).to(DTYPE)
-    tol = 1e-5 if DTYPE == torch.float32 else 4e-3
-    qsl = [sum(q_lens[:i]) for i in range(len(q_lens) + 1)]
-    ksl = [sum(kv_lens[:i]) for i in range(len(kv_lens) + 1)]
-    out = torch.empty_like(q, device=DEVICE)
-    lse = torch.empty(q.shape[:2], device=DEVICE)
-    paged_attention(
-        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), out,
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE),
-        block_tables=None, max_query_len=max(q_lens), max_seq_len=max(kv_lens), scale=0.3,
-        causal=causal, lse=lse, kv_start_loc=torch.tensor(ksl, dtype=torch.int32, device=DEVICE),
-        num_decodes=3, max_decode_query_len=2)
+    lse, qsl = check_contiguous_kv(q_lens, kv_lens, num_heads=8, num_kv_heads=2, causal=causal, dtype=DTYPE,
+                                   device=DEVICE, tol=1e-5 if DTYPE == torch.float32 else 4e-3, seed=11,
+                                   num_decodes=3, max_decode_query_len=2)
     assert spy.mixed[-1]
-    for b in range(len(q_lens)):
-        qs, ks = slice(qsl[b], qsl[b + 1]), slice(ksl[b], ksl[b + 1])
-        ref_o, ref_l = dense_attention_with_lse(q[qs], k[ks], v[ks], scale=0.3, causal=causal)
-        torch.testing.assert_close(out[qs].double().cpu(), ref_o, atol=tol, rtol=tol)
-        torch.testing.assert_close(lse[qs].double().cpu(), ref_l, atol=tol, rtol=tol)
     if not causal:
         assert torch.isneginf(lse[qsl[3]:]).all()  # a decode with no keys: empty
 

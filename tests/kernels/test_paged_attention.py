@@ -5,8 +5,9 @@ import torch
 
 pytest.importorskip("triton")
 
+from cases import GPU_ONLY_GRID  # noqa: E402
 from oracle import dense_attention_with_lse, rel_l2  # noqa: E402
-from paged_kernel import attend, kernel_args, kernel_batch, oracle_options  # noqa: E402
+from paged_kernel import attend, check_contiguous_kv, kernel_args, kernel_batch, oracle_options  # noqa: E402
 
 from pagedattn.kernels import SplitKVWorkspace, paged_attention  # noqa: E402
 from pagedattn.kernels.split_kv import reduce_splits  # noqa: E402
@@ -165,7 +166,7 @@ def test_two_sided_window(window, tile):
 
 
 @pytest.mark.parametrize("shape", ["single_decode", "many_decodes", "mixed", "chunked_prefill"])
-@pytest.mark.parametrize("num_splits", [2, 3])
+@pytest.mark.parametrize("num_splits", [pytest.param(2, marks=GPU_ONLY_GRID), 3])  # 3: uneven shares
 def test_split_kv_matches_unsplit(shape, num_splits):
     batch = make(SHAPES[shape], block_size=5)
     args = kernel_args(batch)
@@ -269,33 +270,16 @@ def test_workspace_is_optional_and_too_small_runs_unsplit():
 @pytest.mark.parametrize("causal", [False, True])
 def test_contiguous_kv_with_kv_start_loc(causal):
     """Encoder / profiling path: K/V are [total_kv, Hkv, D] rows, no block table."""
-    g = torch.Generator().manual_seed(3)
     q_lens = [5, 1, 9]
     kv_lens = [8, 3, 0] if not causal else q_lens
-    num_heads, num_kv_heads, head_size = 4, 2, 48
-    q = torch.randn(sum(q_lens), num_heads, head_size, generator=g)
-    k = torch.randn(sum(kv_lens) + 2, num_kv_heads, head_size, generator=g)
-    v = torch.randn(sum(kv_lens) + 2, num_kv_heads, head_size, generator=g)
-    qsl = [0, 5, 6, 15]
-    ksl = [0, kv_lens[0], kv_lens[0] + kv_lens[1], sum(kv_lens)]
-    out = torch.empty_like(q, device=DEVICE)
-    lse = torch.empty(q.shape[:2], device=DEVICE)
-    paged_attention(
-        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), out,
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE),
-        block_tables=None, max_query_len=9, max_seq_len=9, scale=0.3, causal=causal,
-        lse=lse, kv_start_loc=torch.tensor(ksl, dtype=torch.int32, device=DEVICE))
-    for b in range(3):
-        qs, ks = slice(qsl[b], qsl[b + 1]), slice(ksl[b], ksl[b + 1])
-        ref_o, ref_l = dense_attention_with_lse(q[qs], k[ks], v[ks], scale=0.3, causal=causal)
-        torch.testing.assert_close(out[qs].double().cpu(), ref_o, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(lse[qs].double().cpu(), ref_l, atol=1e-5, rtol=1e-5)
+    lse, qsl = check_contiguous_kv(q_lens, kv_lens, num_heads=4, num_kv_heads=2, causal=causal, dtype=torch.float32,
+                                   device=DEVICE, tol=1e-5, seed=3)
     if not causal:
         assert torch.isneginf(lse[qsl[2]:]).all()  # a sequence with no keys: empty part
 
 
-@pytest.mark.parametrize("head_size", [64, 128])
+# 128: the Gluon kernel's on an H100/H200; elsewhere the portable kernel's path, as 64
+@pytest.mark.parametrize("head_size", [64, pytest.param(128, marks=GPU_ONLY_GRID)])
 def test_contiguous_prompts_read_only_their_rows(head_size):
     """Fresh prompts over contiguous 16-bit K/V (the `triton` backend's prefill path) in a
     prefill tile of 128 rows. Rows between the sequences hold inf: a tile that read another
