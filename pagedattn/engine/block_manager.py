@@ -244,14 +244,18 @@ class BlockManager:
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Free blocks that `ensure_slots(seq, num_tokens)` would take (new and copied ones)."""
-        held = len(seq.block_table)
-        new = max(0, cdiv(num_tokens, self.block_size) - held) * self.num_groups
-        first = seq.num_computed_tokens // self.block_size
-        last = min(cdiv(num_tokens, self.block_size), held)
-        cow = sum(
-            1 for table in seq.block_tables for b in table[first:last] if b != SLIDING_FREED and self.ref_counts[b] > 1
-        )
-        return new + cow
+        tables = seq.block_tables
+        held = len(tables[0]) if tables else 0
+        needed = cdiv(num_tokens, self.block_size)
+        new = max(0, needed - held) * self.num_groups
+        first, last = seq.num_computed_tokens // self.block_size, min(needed, held)
+        if first < last:  # held blocks the step writes: shared ones are copied (plain loops: per sequence per step)
+            ref_counts = self.ref_counts
+            for table in tables:
+                for b in table[first:last]:
+                    if b != SLIDING_FREED and ref_counts[b] > 1:
+                        new += 1
+        return new
 
     def ensure_slots(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int]]:
         """Give `seq` blocks for its first `num_tokens` tokens in every group, every block from
@@ -260,15 +264,16 @@ class BlockManager:
         copies = []
         if not seq.block_tables:
             seq.block_tables = [[] for _ in self.group_windows]
+        needed = cdiv(num_tokens, bs)
         for table in seq.block_tables:
-            for i in range(seq.num_computed_tokens // bs, min(cdiv(num_tokens, bs), len(table))):
+            for i in range(seq.num_computed_tokens // bs, min(needed, len(table))):
                 block = table[i]
                 if block != SLIDING_FREED and self.ref_counts[block] > 1:
                     new = self._allocate()
                     self._decref(block)
                     table[i] = new
                     copies.append((block, new))
-            while len(table) < cdiv(num_tokens, bs):
+            while len(table) < needed:
                 table.append(self._allocate())
         return copies
 
