@@ -56,14 +56,15 @@ class OutputProcessor:
         if not results:  # nothing ran (only swaps, preemptions or errors)
             return
         # Model step k computed each chunk's tokens up to seq_len + k (multi-step: a decode per step).
+        mark_computed = self.block_manager.mark_computed
         for k, result in enumerate(results):
-            for i, c in enumerate(out.chunks):
+            prompt, top = result.prompt_logprobs, result.top_logprobs
+            for i, (c, tokens, logprobs) in enumerate(zip(out.chunks, result.tokens, result.logprobs)):
                 if not c.seq.is_finished:
-                    self.block_manager.mark_computed(c.seq, c.scheduled.seq_len + k)
-                    if i in result.prompt_logprobs:
-                        c.group.prompt_logprobs += [t.to_dict(self._token_text) for t in result.prompt_logprobs[i]]
-                    top = result.top_logprobs[i] if result.top_logprobs is not None else None
-                    self._apply(c, result.tokens[i], result.logprobs[i], top)
+                    mark_computed(c.seq, c.scheduled.seq_len + k)
+                    if prompt and i in prompt:
+                        c.group.prompt_logprobs += [t.to_dict(self._token_text) for t in prompt[i]]
+                    self._apply(c, tokens, logprobs, top[i] if top is not None else None)
         beams: dict[int, tuple[SequenceGroup, list[int]]] = {}
         for i in results[0].beam_logprobs:
             beams.setdefault(id(out.chunks[i].group), (out.chunks[i].group, []))[1].append(i)
