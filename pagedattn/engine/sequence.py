@@ -216,6 +216,8 @@ class SequenceGroup:
     predicts it), when `params.prompt_logprobs` is set."""
 
     def __post_init__(self) -> None:
+        # asked per sequence per step (`needs_fork`); a request's params do not change
+        self._branches = self.params.width > 1 or self.params.use_beam_search
         # What the params ask to record; such requests compute every prompt position (as vLLM).
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
@@ -245,4 +247,4 @@ class SequenceGroup:
     @property
     def needs_fork(self) -> bool:
         """Whether the next sample of the prompt should branch into `width` sequences."""
-        return not self.forked and (self.params.width > 1 or self.is_beam)
+        return self._branches and not self.forked
