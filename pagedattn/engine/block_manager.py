@@ -90,6 +90,7 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.group_windows = tuple(group_windows)
+        self.any_window = any(w is not None for w in self.group_windows)  # mark_computed frees out-of-window blocks
         self.ref_counts = [0] * num_blocks
         # A cached block's key: (its KV cache group, the chained hash of its tokens).
         self.block_hashes: list[tuple[int, int] | None] = [None] * num_blocks
@@ -293,9 +294,10 @@ class BlockManager:
                         self.block_hashes[block] = key
                         self.block_token_ids[block] = seq.block_tokens(i)
             seq.num_registered_blocks = max(seq.num_registered_blocks, full)
-        for table, window in zip(seq.block_tables, self.group_windows):
-            if window is not None:
-                self._free_out_of_window(table, window, seq.num_computed_tokens)
+        if self.any_window:
+            for table, window in zip(seq.block_tables, self.group_windows):
+                if window is not None:
+                    self._free_out_of_window(table, window, seq.num_computed_tokens)
 
     def _free_out_of_window(self, table: list[int], window: int, num_computed_tokens: int) -> None:
         # Every later step starts at context_len >= num_computed_tokens: what it cannot see,
