@@ -191,10 +191,13 @@ class LLMEngine:
         device runs that one while the host processes this one, and the next call starts from it.
         With tensor parallelism a dead worker raises `WorkerError` (a RuntimeError naming its
         rank), and so does every later step."""
+        return self._guarded_step(final_only=False)
+
+    def _guarded_step(self, *, final_only: bool) -> list[RequestOutput]:
         if self.parallel is None:
-            return self._step()
+            return self._step(final_only=final_only)
         with self.parallel.guard():
-            return self._step()
+            return self._step(final_only=final_only)
 
     @property
     def worker_pids(self) -> dict[int, int]:
@@ -207,7 +210,9 @@ class LLMEngine:
         if self.parallel is not None:
             self.parallel.shutdown()
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self, *, final_only: bool) -> list[RequestOutput]:
+        """`step`; final_only: outputs of the requests that finished only (`generate` reads no
+        other: as vLLM's offline `FINAL_ONLY`, no per-step output of every running request)."""
         finished, self._rejected = self._rejected, []
         if self._in_flight is None:
             out = self.scheduler.schedule()
@@ -229,7 +234,8 @@ class LLMEngine:
             self._in_flight = None  # every sequence it computes has finished: nothing to read
         if self.check_integrity:
             self.block_manager.check_integrity(self.scheduler.all_seqs())
-        return self.output_processor.outputs(list(dict.fromkeys([*finished, *advanced])))
+        groups = list(dict.fromkeys([*finished, *advanced]))
+        return self.output_processor.outputs([g for g in groups if g.is_finished] if final_only else groups)
 
     # ------------------------------------------------------------------ batch API
 
@@ -244,9 +250,8 @@ class LLMEngine:
         if progress is not None:
             progress(groups)
         while self.has_unfinished():
-            for output in self.step():
-                if output.finished:
-                    results[output.request_id] = output
+            for output in self._guarded_step(final_only=True):
+                results[output.request_id] = output
             if progress is not None:
                 progress(groups)
         return [results[g.request_id] for g in groups]
