@@ -13,7 +13,12 @@ On a GPU the device runs behind the host (async scheduling): a step takes about 
 rank 0's host time, the worker's host time and the device time, so the host times are what
 tensor parallelism must not raise.
 
-    python scripts/tp_host_time.py [--batch 64] [--steps 64] [--device cpu] [--json OUT]
+`--parts` adds rank 0's time per part of the step and its mean without the model's forward (on the CPU
+the forward is compute a GPU runs behind the host); `--async-scheduling` takes the GPU's path on
+the CPU (each decode planned while the step before it runs).
+
+    python scripts/tp_host_time.py [--batch 64] [--steps 64] [--device cpu] [--sizes 1,2] [--prompt-len 32]
+        [--parts] [--async-scheduling] [--json OUT]
 """
 
 from __future__ import annotations
@@ -84,6 +89,24 @@ def timed_parts(clock: Clock) -> None:
     clock.wrap(ModelRunner, "execute", "execute")
 
 
+def timed_rank0_parts(clock: Clock) -> None:
+    """Wrap the parts of rank 0's step (`--parts`): the scheduler, the metadata build, the model's
+    eager forward (on the CPU its compute, which a GPU runs behind the host), the sampler's
+    launch, the output processing and the `RequestOutput`s."""
+    from pagedattn.engine.model_runner import ModelRunner
+    from pagedattn.engine.output_processor import OutputProcessor
+    from pagedattn.engine.scheduler import Scheduler
+    from pagedattn.engine.step_metadata import GroupedMetadataBuilder
+
+    clock.wrap(Scheduler, "schedule", "schedule")
+    clock.wrap(Scheduler, "schedule_next_decodes", "schedule")
+    clock.wrap(GroupedMetadataBuilder, "build", "metadata")
+    clock.wrap(ModelRunner, "_run", "forward")
+    clock.wrap(ModelRunner, "_sample", "sample")
+    clock.wrap(OutputProcessor, "process", "process")
+    clock.wrap(OutputProcessor, "outputs", "outputs")
+
+
 def worker_loader(path: str, inner, *, device, tp):
     """The worker's loader: wraps its step parts, and writes their totals to `path` every
     SAVE_EVERY executes (the worker process leaves without running exit handlers)."""
@@ -102,7 +125,8 @@ def worker_loader(path: str, inner, *, device, tp):
     return inner(device=device, tp=tp)
 
 
-def run(size: int, batch: int, steps: int, device: str) -> dict:
+def run(size: int, batch: int, steps: int, device: str, *, parts: bool = False, async_scheduling: bool | None = None,
+        prompt_len: int = 32) -> dict:
     from pagedattn.engine.config import EngineConfig
     from pagedattn.engine.llm_engine import LLMEngine
     from pagedattn.engine.sampling_params import SamplingParams
@@ -111,19 +135,25 @@ def run(size: int, batch: int, steps: int, device: str) -> dict:
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     inner = functools.partial(load_dummy_model, SHAPE, dtype=dtype, seed=0)
     stats_path = tempfile.mktemp(prefix="tp-worker-", suffix=".json")
-    config = EngineConfig(device=device, tensor_parallel_size=size, max_num_seqs=batch, num_kv_blocks=4096, seed=0)
+    config = EngineConfig(device=device, tensor_parallel_size=size, max_num_seqs=batch, num_kv_blocks=4096, seed=0,
+                          async_scheduling=async_scheduling)
     loader = functools.partial(worker_loader, stats_path, inner) if size > 1 else inner(device=torch.device(device))
     engine = LLMEngine(config, loader)
     if device == "cpu":
         torch.set_num_threads(1)  # each rank one core (the workers take cpu_count // size)
     clock = Clock()
     timed_parts(clock)
+    if parts:
+        timed_rank0_parts(clock)
     try:
         params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
         for i in range(batch):
-            engine.add_request([(i * 7 + j) % 500 + 3 for j in range(32)], params)
+            engine.add_request([(i * 7 + j) % 500 + 3 for j in range(prompt_len)], params)
         for _ in range(SAVE_EVERY):  # the prefill, then decodes until the worker has saved its totals
             engine.step()
+        while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                                              for g in engine.scheduler.running for s in g.seqs):
+            engine.step()  # long prompts: until every prefill is done
         worker_before = _read(stats_path)
         before = clock.snapshot()
         walls, cpus = [], []
@@ -139,11 +169,19 @@ def run(size: int, batch: int, steps: int, device: str) -> dict:
         engine.shutdown()
         Path(stats_path).unlink(missing_ok=True)
     per_step = {k: v * 1e3 / steps for k, v in _delta(before, after)["cpu"].items()}
+    if parts:
+        out_parts = {k: per_step.get(k, 0.0) for k in ("schedule", "plan", "metadata", "forward", "sample", "process",
+                                                        "outputs")}
     out = {"tensor_parallel_size": size, "batch": batch, "steps": steps,
            "wall_ms": statistics.median(walls) * 1e3, "rank0_host_ms": statistics.median(cpus) * 1e3,
+           # the mean counts the garbage collector's occasional full collections, which the median skips
+           "rank0_host_mean_ms": statistics.mean(cpus) * 1e3,
            "rank0_ms": {"plan": per_step.get("plan", 0.0),
                         "pickle": per_step.get("send", 0.0) - per_step.get("pipe write", 0.0),
                         "pipe write": per_step.get("pipe write", 0.0)}}
+    if parts:
+        out["rank0_parts_ms"] = out_parts
+        out["rank0_host_mean_ms_without_forward"] = out["rank0_host_mean_ms"] - out_parts["forward"]
     if worker:
         n = worker["calls"].get("execute", 0) or 1
         cpu, wall = worker["cpu"], worker["wall"]
@@ -172,9 +210,16 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--sizes", default="1,2", help="tensor-parallel sizes to run (default: 1,2)")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--parts", action="store_true",
+                   help="also rank 0's host time per part of the step, and its mean without the model's forward")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="async scheduling on the CPU too (the GPU's default: the step a GPU runs)")
     p.add_argument("--json", help="write the numbers here too")
     args = p.parse_args()
-    results = [run(size, args.batch, args.steps, args.device) for size in (1, 2)]
+    results = [run(int(size), args.batch, args.steps, args.device, parts=args.parts, prompt_len=args.prompt_len,
+                   async_scheduling=True if args.async_scheduling else None) for size in args.sizes.split(",")]
     for r in results:
         line = (f"TP={r['tensor_parallel_size']} batch {r['batch']}: step {r['wall_ms']:.2f} ms wall, "
                 f"rank 0 host {r['rank0_host_ms']:.2f} ms (plan {r['rank0_ms']['plan']:.3f}")
@@ -186,6 +231,10 @@ def main() -> int:
             line += (f"; worker host {w['host']:.2f} ms (unpickle {w['unpickle']:.3f}, execute {w['execute']:.2f}), "
                      f"waiting for rank 0 {w['waiting for rank 0']:.2f} ms")
         print(line, flush=True)
+        if "rank0_parts_ms" in r:
+            print(f"  rank 0 host mean {r['rank0_host_mean_ms']:.2f} ms, without the forward "
+                  f"{r['rank0_host_mean_ms_without_forward']:.2f} ms: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in r["rank0_parts_ms"].items()), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     return 0

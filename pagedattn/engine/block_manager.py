@@ -90,6 +90,7 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.group_windows = tuple(group_windows)
+        self.any_window = any(w is not None for w in self.group_windows)  # mark_computed frees out-of-window blocks
         self.ref_counts = [0] * num_blocks
         # A cached block's key: (its KV cache group, the chained hash of its tokens).
         self.block_hashes: list[tuple[int, int] | None] = [None] * num_blocks
@@ -244,14 +245,18 @@ class BlockManager:
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Free blocks that `ensure_slots(seq, num_tokens)` would take (new and copied ones)."""
-        held = len(seq.block_table)
-        new = max(0, cdiv(num_tokens, self.block_size) - held) * self.num_groups
-        first = seq.num_computed_tokens // self.block_size
-        last = min(cdiv(num_tokens, self.block_size), held)
-        cow = sum(
-            1 for table in seq.block_tables for b in table[first:last] if b != SLIDING_FREED and self.ref_counts[b] > 1
-        )
-        return new + cow
+        tables = seq.block_tables
+        held = len(tables[0]) if tables else 0
+        needed = cdiv(num_tokens, self.block_size)
+        new = max(0, needed - held) * self.num_groups
+        first, last = seq.num_computed_tokens // self.block_size, min(needed, held)
+        if first < last:  # held blocks the step writes: shared ones are copied (plain loops: per sequence per step)
+            ref_counts = self.ref_counts
+            for table in tables:
+                for b in table[first:last]:
+                    if b != SLIDING_FREED and ref_counts[b] > 1:
+                        new += 1
+        return new
 
     def ensure_slots(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int]]:
         """Give `seq` blocks for its first `num_tokens` tokens in every group, every block from
@@ -260,15 +265,16 @@ class BlockManager:
         copies = []
         if not seq.block_tables:
             seq.block_tables = [[] for _ in self.group_windows]
+        needed = cdiv(num_tokens, bs)
         for table in seq.block_tables:
-            for i in range(seq.num_computed_tokens // bs, min(cdiv(num_tokens, bs), len(table))):
+            for i in range(seq.num_computed_tokens // bs, min(needed, len(table))):
                 block = table[i]
                 if block != SLIDING_FREED and self.ref_counts[block] > 1:
                     new = self._allocate()
                     self._decref(block)
                     table[i] = new
                     copies.append((block, new))
-            while len(table) < cdiv(num_tokens, bs):
+            while len(table) < needed:
                 table.append(self._allocate())
         return copies
 
@@ -288,9 +294,10 @@ class BlockManager:
                         self.block_hashes[block] = key
                         self.block_token_ids[block] = seq.block_tokens(i)
             seq.num_registered_blocks = max(seq.num_registered_blocks, full)
-        for table, window in zip(seq.block_tables, self.group_windows):
-            if window is not None:
-                self._free_out_of_window(table, window, seq.num_computed_tokens)
+        if self.any_window:
+            for table, window in zip(seq.block_tables, self.group_windows):
+                if window is not None:
+                    self._free_out_of_window(table, window, seq.num_computed_tokens)
 
     def _free_out_of_window(self, table: list[int], window: int, num_computed_tokens: int) -> None:
         # Every later step starts at context_len >= num_computed_tokens: what it cannot see,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import itertools
 import logging
 from collections.abc import Callable
@@ -22,6 +24,8 @@ from pagedattn.engine.scheduler import Scheduler, SchedulerOutput
 from pagedattn.engine.sequence import SequenceGroup
 
 logger = logging.getLogger(__name__)
+# The heap an engine froze is collected at exit again (nanobind's modules report what is not).
+atexit.register(gc.unfreeze)
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,13 @@ class LLMEngine:
         # the next step, launched before the last one's draws were read (async scheduling)
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self.async_scheduling = config.resolved_async_scheduling(device)
+        # The start-up heap (the model, torch's and the tokenizer's objects) lives as long as the
+        # engine: frozen, the collector's full collections skip it (as vLLM's EngineCore does).
+        # Unfrozen, one took 0.4 s of a 145-step run of 256 requests on the CPU (2.8 ms a step).
+        # Unfrozen first: what an earlier engine left in reference cycles is collected here.
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
 
     def add_request(
         self, prompt: str | list[int] | dict, params: SamplingParams | None = None, request_id: str | None = None
@@ -180,10 +191,13 @@ class LLMEngine:
         device runs that one while the host processes this one, and the next call starts from it.
         With tensor parallelism a dead worker raises `WorkerError` (a RuntimeError naming its
         rank), and so does every later step."""
+        return self._guarded_step(final_only=False)
+
+    def _guarded_step(self, *, final_only: bool) -> list[RequestOutput]:
         if self.parallel is None:
-            return self._step()
+            return self._step(final_only=final_only)
         with self.parallel.guard():
-            return self._step()
+            return self._step(final_only=final_only)
 
     @property
     def worker_pids(self) -> dict[int, int]:
@@ -196,7 +210,9 @@ class LLMEngine:
         if self.parallel is not None:
             self.parallel.shutdown()
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self, *, final_only: bool) -> list[RequestOutput]:
+        """`step`; final_only: outputs of the requests that finished only (`generate` reads no
+        other: as vLLM's offline `FINAL_ONLY`, no per-step output of every running request)."""
         finished, self._rejected = self._rejected, []
         if self._in_flight is None:
             out = self.scheduler.schedule()
@@ -218,7 +234,8 @@ class LLMEngine:
             self._in_flight = None  # every sequence it computes has finished: nothing to read
         if self.check_integrity:
             self.block_manager.check_integrity(self.scheduler.all_seqs())
-        return self.output_processor.outputs(list(dict.fromkeys([*finished, *advanced])))
+        groups = list(dict.fromkeys([*finished, *advanced]))
+        return self.output_processor.outputs([g for g in groups if g.is_finished] if final_only else groups)
 
     # ------------------------------------------------------------------ batch API
 
@@ -233,9 +250,8 @@ class LLMEngine:
         if progress is not None:
             progress(groups)
         while self.has_unfinished():
-            for output in self.step():
-                if output.finished:
-                    results[output.request_id] = output
+            for output in self._guarded_step(final_only=True):
+                results[output.request_id] = output
             if progress is not None:
                 progress(groups)
         return [results[g.request_id] for g in groups]

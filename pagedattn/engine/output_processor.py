@@ -56,14 +56,15 @@ class OutputProcessor:
         if not results:  # nothing ran (only swaps, preemptions or errors)
             return
         # Model step k computed each chunk's tokens up to seq_len + k (multi-step: a decode per step).
+        mark_computed = self.block_manager.mark_computed
         for k, result in enumerate(results):
-            for i, c in enumerate(out.chunks):
+            prompt, top = result.prompt_logprobs, result.top_logprobs
+            for i, (c, tokens, logprobs) in enumerate(zip(out.chunks, result.tokens, result.logprobs)):
                 if not c.seq.is_finished:
-                    self.block_manager.mark_computed(c.seq, c.scheduled.seq_len + k)
-                    if i in result.prompt_logprobs:
-                        c.group.prompt_logprobs += [t.to_dict(self._token_text) for t in result.prompt_logprobs[i]]
-                    top = result.top_logprobs[i] if result.top_logprobs is not None else None
-                    self._apply(c, result.tokens[i], result.logprobs[i], top)
+                    mark_computed(c.seq, c.scheduled.seq_len + k)
+                    if prompt and i in prompt:
+                        c.group.prompt_logprobs += [t.to_dict(self._token_text) for t in prompt[i]]
+                    self._apply(c, tokens, logprobs, top[i] if top is not None else None)
         beams: dict[int, tuple[SequenceGroup, list[int]]] = {}
         for i in results[0].beam_logprobs:
             beams.setdefault(id(out.chunks[i].group), (out.chunks[i].group, []))[1].append(i)
@@ -101,7 +102,8 @@ class OutputProcessor:
             return
         seq.append_token(token, logprob, logprobs)
         params = group.params
-        may_stop = seq.num_output_tokens > params.min_tokens
+        num_output_tokens = seq.num_output_tokens
+        may_stop = num_output_tokens > params.min_tokens
         if grammar is not None and grammar.is_terminated():  # it took its stop token: an EOS, even with ignore_eos
             self._stop(seq, None)
             return
@@ -115,7 +117,7 @@ class OutputProcessor:
                 seq.stop_reason = stop
                 self.scheduler.finish_seq(seq, "stop")
                 return
-        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+        if num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             if seq.detokenizer is not None:
                 seq.detokenizer.flush()
             self.scheduler.finish_seq(seq, "length")
@@ -177,17 +179,18 @@ class OutputProcessor:
 
     def _output(self, group: SequenceGroup) -> RequestOutput:
         params = group.params
+        finished = group.is_finished
         if group.error is not None:
             outputs = [CompletionOutput("", [], "error", 0.0) for _ in range(params.n)]
-        elif group.is_beam:
-            hyps = group.beam_hypotheses[: params.n] if group.is_finished else []
+        elif params.use_beam_search:
+            hyps = group.beam_hypotheses[: params.n] if finished else []
             outputs = [
                 CompletionOutput(self._decode(h.token_ids), h.token_ids, h.finish_reason, h.cumulative_logprob)
                 for h in hyps
             ]
         else:
             seqs = group.seqs
-            if group.is_finished and len(seqs) > params.n:
+            if finished and len(seqs) > params.n:
                 seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
             outputs = [
                 CompletionOutput(s.text, s.output_token_ids, s.finish_reason, s.cumulative_logprob,
@@ -199,7 +202,7 @@ class OutputProcessor:
             prompt=group.prompt,
             prompt_token_ids=group.prompt_token_ids,
             outputs=outputs,
-            finished=group.is_finished,
+            finished=finished,
             metrics=group.metrics,
             error=group.error,
             encoder_prompt=group.encoder_prompt,

@@ -226,24 +226,27 @@ class Scheduler:
         if self.lookahead or self.waiting or self.swapped or prev.num_steps > 1:
             return None
         live = [c for c in prev.chunks if not c.seq.is_finished]
-        if not live or len(live) != sum(len(g.live_seqs) for g in self.running):
+        running = {id(s) for g in self.running for s in g.seqs if not s.is_finished}
+        if not live or len(live) != len(running):
             return None
-        running = {id(s) for g in self.running for s in g.live_seqs}
-        plan: list[tuple[SequenceGroup, Sequence, ScheduledSeq]] = []
+        plan: Plan = []
+        groups: list[SequenceGroup] = []
         for c in live:
             seq, group = c.seq, c.group
-            if (id(seq) not in running or not c.sample or group.is_beam or group.needs_fork
-                    or group.params.guided_decoding is not None):
+            params = group.params
+            if (id(seq) not in running or not c.sample or params.use_beam_search or group.needs_fork
+                    or params.guided_decoding is not None):
                 return None
             known = c.scheduled.seq_len  # the tokens `prev` computes; it samples token `known`
             assert len(seq) == known, (len(seq), c.scheduled)
-            if seq.num_output_tokens + 1 < group.params.max_tokens and known + 1 < self.max_model_len:
-                plan.append((group, seq, ScheduledSeq(known + 1, 1, encoder_len=seq.encoder_len)))
-        if not plan or self._blocks_needed([(s, st, True) for _, s, st in plan]) > self.bm.num_free_blocks:
+            if known - seq.num_prompt_tokens + 1 < params.max_tokens and known + 1 < self.max_model_len:
+                plan.append((seq, ScheduledSeq(known + 1, 1, encoder_len=seq.encoder_len), True))
+                groups.append(group)
+        if not plan or self._blocks_needed(plan) > self.bm.num_free_blocks:
             return None
         out, budget = SchedulerOutput(), _Budget(self.max_num_batched_tokens, self.max_num_seqs)
-        for group, seq, step in plan:
-            self._commit(group, [(seq, step, True)], out, budget)
+        for group, step in zip(groups, plan):
+            self._commit(group, [step], out, budget)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: _Budget) -> None:
@@ -374,6 +377,8 @@ class Scheduler:
         return step.seq_len + (0 if step.is_prefill else self.lookahead)
 
     def _blocks_needed(self, plan: Plan) -> int:
+        if not self.lookahead:
+            return sum(self.bm.blocks_needed(s, st.seq_len) for s, st, _ in plan)
         return sum(self.bm.blocks_needed(s, self._target(st)) for s, st, _ in plan)
 
     def _cross_blocks(self, group: SequenceGroup) -> int:
@@ -398,11 +403,15 @@ class Scheduler:
     def _commit(self, group: SequenceGroup, plan: Plan, out: SchedulerOutput, budget: _Budget) -> None:
         if group.metrics.first_scheduled_time is None:
             group.metrics.first_scheduled_time = time.perf_counter()
+        bm = self.bm
         for seq, step, sample in plan:
-            out.copies += self.bm.ensure_slots(seq, self._target(step))
-            self.bm.ensure_cross_blocks(seq)
+            copies = bm.ensure_slots(seq, self._target(step) if self.lookahead else step.seq_len)
+            if copies:
+                out.copies += copies
+            if step.encoder_len:
+                bm.ensure_cross_blocks(seq)
             # Copies: the block manager edits the tables in place after the step.
-            tables = tuple(tuple(t) for t in seq.block_tables)
+            tables = tuple(map(tuple, seq.block_tables))
             scheduled = ScheduledSeq(step.seq_len, step.query_len, tables[0], step.encoder_len,
                                      tuple(seq.cross_block_table))
             out.chunks.append(ScheduledChunk(seq, group, scheduled, sample, tables))

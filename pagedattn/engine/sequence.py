@@ -20,6 +20,9 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"  # holds nothing
 
 
+_FINISHED = SeqStatus.FINISHED  # read per sequence per step: a global, not an enum lookup
+
+
 class EncoderFeatures:
     """An audio encoder's input for one request (Whisper's log-mel features), never changed.
 
@@ -122,7 +125,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is SeqStatus.FINISHED
+        return self.status is _FINISHED
 
     @property
     def text(self) -> str:
@@ -213,6 +216,8 @@ class SequenceGroup:
     predicts it), when `params.prompt_logprobs` is set."""
 
     def __post_init__(self) -> None:
+        # asked per sequence per step (`needs_fork`); a request's params do not change
+        self._branches = self.params.width > 1 or self.params.use_beam_search
         # What the params ask to record; such requests compute every prompt position (as vLLM).
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
@@ -224,7 +229,7 @@ class SequenceGroup:
 
     @property
     def live_seqs(self) -> list[Sequence]:
-        return [s for s in self.seqs if not s.is_finished]
+        return [s for s in self.seqs if s.status is not _FINISHED]
 
     @property
     def is_beam(self) -> bool:
@@ -232,9 +237,14 @@ class SequenceGroup:
 
     @property
     def is_finished(self) -> bool:
-        return self.error is not None or self.beam_done or not self.live_seqs
+        if self.error is not None or self.beam_done:
+            return True
+        for s in self.seqs:  # the engine asks every step of every group: no list
+            if s.status is not _FINISHED:
+                return False
+        return True
 
     @property
     def needs_fork(self) -> bool:
         """Whether the next sample of the prompt should branch into `width` sequences."""
-        return not self.forked and (self.params.width > 1 or self.is_beam)
+        return self._branches and not self.forked
