@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import gc
 import itertools
@@ -24,8 +23,6 @@ from pagedattn.engine.scheduler import Scheduler, SchedulerOutput
 from pagedattn.engine.sequence import SequenceGroup
 
 logger = logging.getLogger(__name__)
-# The heap an engine froze is collected at exit again (nanobind's modules report what is not).
-atexit.register(gc.unfreeze)
 
 
 @dataclass(frozen=True)
