@@ -22,6 +22,8 @@ oracle.py (`tolerance_for`).
 from __future__ import annotations
 
 import os
+import signal
+import warnings
 
 import pytest
 import torch
@@ -143,3 +145,15 @@ def model_dtype(backend, device, pytestconfig) -> torch.dtype:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _sigint_handler_kept(request):
+    """Every test starts with Python's own SIGINT handler, and one that leaves another is named:
+    an ignored SIGINT is inherited by every process a later test starts (Ctrl-C tests then
+    see nothing)."""
+    yield
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        warnings.warn(f"{request.node.nodeid} left SIGINT's handler at {signal.getsignal(signal.SIGINT)!r}; "
+                      "restored", stacklevel=1)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
