@@ -9,7 +9,9 @@ runs short contexts, an engine's usual early steps, slower (docs/PERF.md). A mod
 cache groups has a state per group (`engine/step_metadata.py`): each graph reads every group's
 buffers, each group's layers their own.
 
-Cascade graphs (`cascade=True`): a third family, one graph per batch size for any context, whose
+Cascade graphs (`cascade_min_seqs=n`): a third family, one graph per batch size for any context
+that can serve a cascaded step (the policy cascades `n` sequences or more: sizes below the one
+that holds `n` would never replay, and each captured size compiles launches of its own), whose
 full-attention groups' layers attend a shared prefix apart (`engine/cascade.py`): each group's
 suffixes through its state's buffers, the prefix through shared-prefix metadata captured over
 the longest prefix a table holds (`build_shared_prefix`), whose lengths and blocks are copied in
@@ -63,9 +65,10 @@ class DecodeGraphs:
 
     def __init__(self, model, backend: type[AttentionBackend], builder: GroupedMetadataBuilder,
                  kv_caches: list[torch.Tensor], *, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device, cascade: bool = False):
+                 device: torch.device, cascade_min_seqs: int | None = None):
         """builder: the engine's, for its KV cache groups (a state each) and which layers read each.
-        cascade: also capture cascade graphs (`has_cascade` says whether the backend's states could)."""
+        cascade_min_seqs: also capture cascade graphs, for batches of at least this many sequences
+        (`has_cascade` says whether the backend's states could)."""
         self.model = model
         self.builder = builder
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -86,7 +89,9 @@ class DecodeGraphs:
         for impls in group_impls(model, builder.layer_group, len(builder.builders)):
             states.append(backend.get_state_cls()(max_num_seqs, max_blocks_per_seq, block_size, device))
             states[-1].set_layers(impls)
-        self.has_cascade = cascade and all(state.shared_prefix_graphs for state in states)
+        smallest = None if cascade_min_seqs is None else self.size_for(cascade_min_seqs)
+        self.has_cascade = smallest is not None and all(state.shared_prefix_graphs for state in states)
+        self.cascade_sizes = [s for s in self.sizes if s >= smallest] if self.has_cascade else []
         if self.has_cascade:
             self.classes.append(CASCADE)
         # No garbage collection inside a capture: a cycle collected there (an old engine: its
@@ -110,7 +115,8 @@ class DecodeGraphs:
         with torch.inference_mode(), contextlib.ExitStack() as capturing:
             for state in states:
                 capturing.enter_context(state.graph_capture(self.max_num_seqs))
-            for limit, bs in [(c, s) for c in self.classes for s in reversed(self.sizes)]:
+            shapes = [(c, s) for c in self.classes for s in reversed(self.cascade_sizes if c == CASCADE else self.sizes)]
+            for limit, bs in shapes:
                 # largest first, so smaller graphs reuse its memory pool
                 mds = [state.graph_capture_get_metadata_for_batch(bs) for state in states]
                 if limit not in (None, CASCADE):
@@ -160,8 +166,9 @@ class DecodeGraphs:
         pad_to = md.num_seqs
         short = SHORT_CONTEXT in self.classes and md.max_decode_seq_len <= SHORT_CONTEXT
         if md.shared_prefix is not None:
-            if not self.has_cascade:
-                raise ValueError("expected a step without a shared prefix: no cascade graph was captured")
+            if (CASCADE, pad_to) not in self._graphs:
+                raise ValueError(f"expected a step without a shared prefix: no cascade graph was captured for "
+                                 f"{pad_to} sequences (cascade graphs: {self.cascade_sizes})")
             self._last = (CASCADE, pad_to)
         else:
             self._last = (SHORT_CONTEXT if short else None, pad_to)

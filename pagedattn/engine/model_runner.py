@@ -28,7 +28,7 @@ a `StepPlan` carries every group's tables.
 Cascade attention (`engine/cascade.py`): where `CascadePolicy` finds a shared prefix in a step
 (on rank 0, carried in its plan as `cascade_blocks`), the step's layers that can split attend it
 once for all queries and their sequences' suffixes apart; decode steps replay cascade graphs
-(`DecodeGraphs(cascade=True)`) where the backend's graph state can hold a shared part.
+(`DecodeGraphs(cascade_min_seqs=...)`) where the backend's graph state can hold a shared part.
 
 Encoder-decoder models (`spec.num_cross_layers > 0`) have a cross pool too: one cache tensor
 per cross-attention layer, with as many blocks as the decoder pool (a request's encoder
@@ -154,7 +154,7 @@ class ModelRunner:
             graphs = DecodeGraphs(
                 self.model, self.backend, self.builder, self.kv_caches, max_num_seqs=self.max_num_seqs,
                 max_blocks_per_seq=self.max_blocks_per_seq, block_size=self.block_size, device=self.device,
-                cascade=self.cascade_graphs,
+                cascade_min_seqs=self.cascade.min_seqs if self.cascade_graphs else None,
             )
         except torch.OutOfMemoryError as exc:
             free, total = torch.cuda.mem_get_info(self.device)
@@ -214,7 +214,7 @@ class ModelRunner:
         replayable = out.chunks and (out.num_steps > 1 or (out.is_decode_only and every_row_sampled
                                                            and plan.prompt is None))
         plan.pad_to = self._graph_size(len(plan.seqs)) if replayable else None
-        if plan.cascade_blocks and plan.pad_to is not None and not self.graphs.has_cascade:
+        if plan.cascade_blocks and plan.pad_to is not None and plan.pad_to not in self.graphs.cascade_sizes:
             plan.cascade_blocks = 0  # a replayed graph attending whole beats an eager cascade step (docs/PERF.md)
         if self._send is not None and not plan.is_empty:
             self._send("execute", plan)  # the other ranks run the same plan on their shards
