@@ -233,9 +233,12 @@ class Attention(nn.Module):
         (`prefix`, `prefix_impl`), each with its LSE, merged into the suffix's output."""
         if self.prefix_impl is None:
             raise ValueError(f"layer {self.layer_idx} cannot attend a shared prefix apart: {self.cascade_refusal}")
-        out, lse = self.impl.forward(query, key, value, kv_cache, md, self.k_scale, self.v_scale, return_lse=True)
+        _check_shared_prefix(self.layer_idx, md, prefix)
+        # The prefix first: it writes nothing, and its checks (its blocks against the pool among them)
+        # then refuse a bad prefix before the suffix writes the step's K/V.
         prefix_out, prefix_lse = self.prefix_impl.forward(query, None, None, kv_cache, prefix, self.k_scale,
                                                           self.v_scale, return_lse=True)
+        out, lse = self.impl.forward(query, key, value, kv_cache, md, self.k_scale, self.v_scale, return_lse=True)
         merge_attn_states(prefix_out, prefix_lse, out, lse, out=out, out_lse=lse)
         return out
 
@@ -269,6 +272,22 @@ def kv_scale_calibration_paused(model: nn.Module) -> Iterator[None]:
     finally:
         for m, flags in zip(layers, saved):
             m.calibrating = flags
+
+
+def _check_shared_prefix(layer_idx: int, md: AttentionMetadata, prefix) -> None:
+    """`prefix` a shared prefix's metadata for the step of `md`: its queries the step's, its
+    blocks of the step's size (host facts; the prefix impl checks the rest, its blocks against
+    the pool among them)."""
+    if not isinstance(prefix, AttentionMetadata):
+        raise TypeError(f"layer {layer_idx}: expected a shared prefix's AttentionMetadata (`build_shared_prefix`) "
+                        f"or None, got {type(prefix).__name__}")
+    if not prefix.is_shared_prefix:
+        raise ValueError(f"layer {layer_idx}: expected a shared prefix's metadata (`build_shared_prefix`), got a "
+                         "step's (`build`)")
+    if (prefix.num_tokens, prefix.block_size) != (md.num_tokens, md.block_size):
+        raise ValueError(f"layer {layer_idx}: expected a shared prefix of the step's {md.num_tokens} query tokens "
+                         f"and block_size {md.block_size}, got {prefix.num_tokens} and {prefix.block_size} "
+                         "(build_shared_prefix(num_query_tokens=...) on the step's builder)")
 
 
 def _prefix_impl(backend, impl: AttentionImpl, num_heads: int, head_size: int, scale: float,

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import subprocess
 import sys
 import time
 import traceback
@@ -66,6 +65,7 @@ REL_L2_BF16 = 1e-2  # two bf16 roundings of one attention apart: well under this
 
 def _environment(device: torch.device) -> dict:
     import pagedattn
+    from pagedattn.benchmarks import tree_commit
 
     env = {"torch": torch.__version__, "cuda": torch.version.cuda, "pagedattn": pagedattn.__version__,
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
@@ -75,11 +75,7 @@ def _environment(device: torch.device) -> dict:
         env["triton"] = triton.__version__
     except ImportError:
         env["triton"] = None
-    try:
-        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                       timeout=10, cwd=Path(__file__).resolve().parent).stdout.strip() or None
-    except OSError:
-        env["commit"] = None
+    env["commit"] = tree_commit()
     return env
 
 

@@ -485,16 +485,17 @@ def _environment() -> dict:
     """Versions, GPUs and commit, read without a CUDA context here (the stages' processes hold
     the GPUs: a context in this one would take memory from their KV pools)."""
     import pagedattn
+    from pagedattn.benchmarks import tree_commit
 
     env = {"torch": torch.__version__, "cuda": torch.version.cuda, "pagedattn": pagedattn.__version__,
-           "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.version.cuda else None}
-    for key, command in (("gpus", ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]),
-                         ("commit", ["git", "rev-parse", "--short", "HEAD"])):
-        try:
-            env[key] = subprocess.run(command, capture_output=True, text=True, timeout=20, cwd=ROOT).stdout.split("\n")
-            env[key] = [line for line in env[key] if line.strip()]
-        except (OSError, subprocess.TimeoutExpired):
-            env[key] = None
+           "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.version.cuda else None,
+           "commit": tree_commit()}
+    try:
+        gpus = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=20, check=False).stdout
+        env["gpus"] = [line for line in gpus.split("\n") if line.strip()]
+    except (OSError, subprocess.TimeoutExpired):
+        env["gpus"] = None
     return env
 
 

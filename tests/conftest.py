@@ -73,6 +73,22 @@ def pytest_configure(config):
         "markers", "gpu_grid(keep=()): on the CPU (our kernels interpreted) run only for the backends in keep "
                    "and the torch backend; with --device cuda always (see the module doc)")
     config.stash[_STATUS] = _selected_backends(config.getoption("--backend"))
+    _sigint_default_at_start(config)
+
+
+def _sigint_default_at_start(config):
+    """A session started with SIGINT ignored (a background job of a non-interactive shell: `cmd &`
+    sets SIG_IGN, and Python then installs no handler) is said once, here, and the default is
+    restored, so that the Ctrl-C tests run and `_sigint_handler_kept` names only a test that
+    really changed it (before this the first test was blamed, 2026-11-27, f3ced6c)."""
+    handler = signal.getsignal(signal.SIGINT)
+    if handler is signal.default_int_handler:
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    config.issue_config_time_warning(pytest.PytestConfigWarning(
+        f"this pytest session was started with SIGINT's handler at {handler!r}, not Python's "
+        "default (SIGINT ignored: started as a background job, `cmd &`, of a non-interactive "
+        "shell?); restored the default for the session, so the Ctrl-C tests run"), stacklevel=2)
 
 
 def pytest_runtest_logreport(report):
@@ -149,9 +165,9 @@ def _seed():
 
 @pytest.fixture(autouse=True)
 def _sigint_handler_kept(request):
-    """Every test starts with Python's own SIGINT handler, and one that leaves another is named:
-    an ignored SIGINT is inherited by every process a later test starts (Ctrl-C tests then
-    see nothing)."""
+    """Every test starts with Python's own SIGINT handler (`_sigint_default_at_start` sets it for
+    the session), and one that leaves another is named: an ignored SIGINT is inherited by every
+    process a later test starts (Ctrl-C tests then see nothing)."""
     yield
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         warnings.warn(f"{request.node.nodeid} left SIGINT's handler at {signal.getsignal(signal.SIGINT)!r}; "

@@ -14,16 +14,26 @@ from pagedattn.attention.types import PAD_SLOT_ID, ScheduledSeq, window_start_bl
 from pagedattn.intmath import cdiv, cumsum
 
 _VIEW_ALIGN_BYTES = 16  # what Triton checks a pointer argument for
+_BLOCK_ID_END = 2**31  # block ids are int32 in the tables (DESIGN.md, "KV cache")
 
 
-def _check_block_ids(i: int, what: str, ids: Sequence) -> None:
+def _check_block_ids(i: int | None, what: str, ids: Sequence) -> None:
+    """Each of `ids` an int in [0, 2**31) (tables are int32), not a bool (`operator.index` takes
+    True as block 1); else a ValueError naming sequence `i` (None: no sequence) and the bad id."""
+    if isinstance(ids, torch.Tensor) and ids.dtype == torch.bool:
+        raise ValueError(f"{_of_seq(i)}expected {what} ids that are ints, got a torch.bool tensor {ids.tolist()}")
+    index = operator.index
     for b in ids:
         try:
-            ok = operator.index(b) >= 0
+            ok = type(b) is not bool and 0 <= index(b) < _BLOCK_ID_END
         except TypeError:
             ok = False
         if not ok:
-            raise ValueError(f"sequence {i}: expected {what} ids that are ints >= 0, got {b!r} in {list(ids)}")
+            raise ValueError(f"{_of_seq(i)}expected {what} ids that are ints in [0, 2**31), got {b!r} in {list(ids)}")
+
+
+def _of_seq(i: int | None) -> str:
+    return "" if i is None else f"sequence {i}: "
 
 
 def _slots(block_table: Sequence[int], start: int, stop: int, block_size: int) -> list[int]:
@@ -102,22 +112,32 @@ class MetadataBuilder:
         (`seq_len` less their tokens; slots do not change), and the two parts merge by their
         LSEs (`pagedattn.merge_attn_states`). Its fields: one prefill of `num_query_tokens`
         queries with no block of its own, `encoder_seq_lens` `[len(prefix_blocks) * block_size]`
-        and `cross_block_tables` `[1, len(prefix_blocks)]`.
+        and `cross_block_tables` `[1, len(prefix_blocks)]`, marked `is_shared_prefix` (impls other
+        than cross-attention refuse it).
         """
         if self.sliding_window is not None:
             raise ValueError(f"expected a builder without a sliding window for a shared prefix (read whole), got "
                              f"sliding_window={self.sliding_window}")
-        if isinstance(num_query_tokens, bool) or not isinstance(num_query_tokens, int) or num_query_tokens < 1:
+        try:
+            t = None if isinstance(num_query_tokens, bool) else operator.index(num_query_tokens)
+        except TypeError:
+            t = None
+        if t is None or t < 1:
             raise ValueError(f"expected num_query_tokens an int >= 1, got {num_query_tokens!r}")
-        blocks = list(prefix_blocks)
+        if isinstance(prefix_blocks, (str, bytes)) or not isinstance(prefix_blocks, Iterable):
+            raise TypeError(f"expected prefix_blocks a sequence of block ids, got {type(prefix_blocks).__name__}")
+        # host values: a tensor's elements would be 0-dim tensors (a bool one passing as an index)
+        blocks = prefix_blocks.tolist() if isinstance(prefix_blocks, torch.Tensor) else list(prefix_blocks)
         if not blocks:
             raise ValueError("expected at least one prefix block, got none")
-        _check_block_ids(0, "prefix block", blocks)
-        t, prefix_len = num_query_tokens, len(blocks) * self.block_size
+        _check_block_ids(None, "shared prefix block", blocks)
+        blocks = [operator.index(b) for b in blocks]  # Python ints (NumPy's are ids too)
+        prefix_len = len(blocks) * self.block_size
         enc = dict(num_tokens=0, lens=[prefix_len], start=[0, prefix_len], cross_slots=[], cross_width=len(blocks),
                    cross_rows_flat=blocks, max_block_id=max(blocks))
         md = self._metadata(1, [t], [0], [t], [[]], [PAD_SLOT_ID] * t, enc, max_decode_seq_len=0,
                             use_cuda_graph=False, slots_all_real=False, fresh_prefills=True)
+        md.is_shared_prefix = True
         self._extend_shared_prefix(md)
         return md
 

@@ -352,6 +352,11 @@ class AttentionImpl:
     def _check_inputs(self, query, key, value, kv_cache, md):
         if not isinstance(md, AttentionMetadata):
             raise TypeError(f"expected AttentionMetadata, got {type(md).__name__}")
+        if md.is_shared_prefix and self.attn_type is not AttentionType.ENCODER_DECODER:
+            # its queries have no block of their own: a kernel would read past its empty block table
+            raise ValueError(f"expected a step's metadata (`build`) for {self.attn_type.name} attention, got a "
+                             "shared prefix's (`build_shared_prefix`), which only cross-attention reads: hand it "
+                             "to the layers as forward_context(..., shared_prefix=)")
         dtypes = self.backend.capabilities.dtypes
         if query.dtype not in dtypes:
             raise TypeError(f"expected query dtype in {list(dtypes)}, got {query.dtype}")

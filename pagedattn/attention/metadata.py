@@ -58,6 +58,9 @@ class AttentionMetadata:
     cross_slot_mapping: torch.Tensor | None = None  # int64 [num_encoder_tokens]
     cross_block_tables: torch.Tensor | None = None  # int32 [B, W_cross]
     max_cross_block_id: int = 0  # the largest block id in `cross_block_tables`
+    # Made by `build_shared_prefix`: a cascade's shared part, whose queries have no block of their
+    # own (block_tables [1, 0] under seq_lens [T]); only cross-attention (ENCODER_DECODER) reads it.
+    is_shared_prefix: bool = False
     # Built on first use and kept for the step's other layers (`advance_step` drops what it changes):
     # the prefill/decode views, and where the PyTorch store writes each slot.
     _prefill_view: AttentionMetadata | None = field(default=None, repr=False, compare=False)

@@ -9,10 +9,16 @@ package, and `pagedattn --help` must not pay for them.
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+COMMIT_ENV = "PAGEDATTN_COMMIT"
+_CHECKOUT = Path(__file__).resolve().parents[2]  # the folder holding this pagedattn package
 
 
 @dataclass(frozen=True)
@@ -55,3 +61,31 @@ def require_cuda(prog: str) -> None:
     if not torch.cuda.is_available():
         print(f"{prog}: needs a CUDA device, found none (torch.cuda.is_available() is False)", file=sys.stderr)
         raise SystemExit(2)
+
+
+def tree_commit(root: Path | str = _CHECKOUT) -> str:
+    """The commit this tree is, as results record it: `$PAGEDATTN_COMMIT` when set; else `git
+    rev-parse --short HEAD` when `root` (default: the folder holding this package) is the top of a
+    git checkout, with `-dirty` when a tracked file differs from it or that cannot be read
+    (untracked files do not count); else "unknown". The GPU machine gets a copy of the working
+    tree beside a stale .git, whose HEAD is another commit: there the one who copies the tree says
+    which commit it is. The top-folder test keeps an installed package (site-packages inside some
+    other repository's virtualenv) from reporting that repository's commit."""
+    given = os.environ.get(COMMIT_ENV, "").strip()
+    if given:
+        return given
+    top_head = (_git(root, "rev-parse", "--show-toplevel", "--short", "HEAD") or "").splitlines()
+    if len(top_head) != 2 or Path(top_head[0]).resolve() != Path(root).resolve():
+        return "unknown"
+    head = top_head[1]
+    changed = _git(root, "--no-optional-locks", "status", "--porcelain", "--untracked-files=no")
+    return head if changed == "" else f"{head}-dirty"
+
+
+def _git(root: Path | str, *args: str) -> str | None:
+    """git's stripped stdout, or None when git is missing, fails or takes over 20 s."""
+    try:
+        out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=20, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip()

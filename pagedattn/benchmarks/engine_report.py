@@ -36,9 +36,10 @@ def environment(device: torch.device) -> dict:
     import transformers
 
     import pagedattn
+    from pagedattn.benchmarks import tree_commit
 
     env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-           "pagedattn": pagedattn.__version__, "git_commit": _run(["git", "rev-parse", "--short", "HEAD"]),
+           "pagedattn": pagedattn.__version__, "git_commit": tree_commit(),
            "device": str(device), "cpu": _cpu_name(), "torch_threads": torch.get_num_threads(),
            "load_average_before": load_average()}
     try:

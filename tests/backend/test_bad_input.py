@@ -175,6 +175,14 @@ def test_block_table_too_short_for_decode(backend, device):
         backend.get_builder_cls()(4, device).build([pagedattn.ScheduledSeq(9, 1, [3, 4])])
 
 
+@pytest.mark.parametrize("bad", [True, 2**31, -1, 1.0])
+def test_block_ids_must_be_int32_ints(backend, device, bad):
+    """A bool would pass as block 0 or 1, an id past int32 would overflow the table's copy."""
+    with pytest.raises(ValueError, match=rf"sequence 1: expected block ids that are ints in \[0, 2\*\*31\), got {bad!r}"):
+        backend.get_builder_cls()(4, device).build([pagedattn.ScheduledSeq(3, 3, [0]),
+                                                    pagedattn.ScheduledSeq(7, 7, [1, bad])])
+
+
 @pytest.mark.parametrize("seq_len,query_len", [(4, 0), (3, 5), (0, 0)])
 def test_impossible_lengths(backend, device, seq_len, query_len):
     with pytest.raises(ValueError):
