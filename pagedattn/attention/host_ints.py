@@ -4,7 +4,9 @@ Block tables are the bulk of a step's ints (256 sequences of 1k tokens: 16k bloc
 parts are gathered in one Python list (a table row is appended whole, in C) and converted once
 by `struct.pack_into`, which also checks every value (an int, in the dtype's range) in C:
 measured on the CPU at 16k ids, 0.3 ms, where `array.fromlist` took 0.4-0.6 ms and `torch.tensor`
-over the list 1.1-2.6 ms. The bytes become a tensor without a copy (`torch.frombuffer`).
+over the list 1.1-2.6 ms. The bytes are read as a tensor in place (`torch.frombuffer`) and copied
+once into memory that torch owns: a tensor over Python's memory frees it under the GIL, which a
+tensor freed after the interpreter (at exit) cannot take.
 """
 
 from __future__ import annotations
@@ -47,18 +49,21 @@ class HostInts:
         return self._end(start)
 
     def host(self, part: int) -> torch.Tensor:
-        """Part `part` as a 1-D host tensor. Raises ValueError when a value of any part is not an
-        int that `dtype` holds."""
+        """Part `part` as a 1-D host tensor over the buffer, to read now (not to keep: `to` makes
+        the tensors to keep). Raises ValueError when a value of any part is not an int that
+        `dtype` holds."""
         start, n = self._spans[part]
         return self._tensor().narrow(0, start, n)
 
     def to(self, device: torch.device) -> list[torch.Tensor]:
-        """The parts as 1-D views of one tensor on `device`: one (pinned, non-blocking) copy.
-        Raises ValueError as `host` does."""
+        """The parts as 1-D views of one tensor on `device`: one copy (pinned and non-blocking to a
+        GPU), 16 bytes aligned (torch's allocations are). Raises ValueError as `host` does."""
         flat = self._tensor()
         if device.type == "cuda":
             flat = flat.pin_memory().to(device, non_blocking=True)
-        elif device != flat.device:
+        elif device.type == "cpu":
+            flat = flat.clone()
+        else:
             flat = flat.to(device)
         return [flat.narrow(0, start, n) for start, n in self._spans]
 
@@ -80,7 +85,5 @@ class HostInts:
                 struct.pack_into(f"={n}{_FORMATS[self.dtype]}", buffer, 0, *self._values)
             except struct.error as e:
                 raise ValueError(f"expected ints that {self.dtype} holds: {e}") from None
-            flat = torch.frombuffer(buffer, dtype=self.dtype) if n else torch.empty(0, dtype=self.dtype)
-            # (Python's allocator aligns to 16 bytes on 64-bit hosts, so this copy is a guard)
-            self._flat = flat.clone() if flat.data_ptr() % _VIEW_ALIGN_BYTES else flat
+            self._flat = torch.frombuffer(buffer, dtype=self.dtype) if n else torch.empty(0, dtype=self.dtype)
         return self._flat
