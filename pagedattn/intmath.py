@@ -1,7 +1,8 @@
-"""Integer helpers of block arithmetic (a leaf module: no imports)."""
+"""Integer helpers of block arithmetic (a leaf module: imports nothing of the package)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 
 
@@ -12,7 +13,4 @@ def cdiv(a: int, b: int) -> int:
 
 def cumsum(xs: Iterable[int]) -> list[int]:
     """`[0, x0, x0 + x1, ...]`: the start offsets of consecutive runs of these lengths."""
-    out = [0]
-    for x in xs:
-        out.append(out[-1] + x)
-    return out
+    return [0, *itertools.accumulate(xs)]

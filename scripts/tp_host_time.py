@@ -17,6 +17,10 @@ tensor parallelism must not raise.
 the forward is compute a GPU runs behind the host); `--async-scheduling` takes the GPU's path on
 the CPU (each decode planned while the step before it runs).
 
+Every request runs through the timed steps (the pool holds them all), so `--prompt-len` is at most
+tiny-llama's 1,024-token context less the tokens generated (`--steps` and the prefill's steps; the
+script names the limit): `--batch 256 --prompt-len 940` times decodes over ~1k-token contexts.
+
     python scripts/tp_host_time.py [--batch 64] [--steps 64] [--device cpu] [--sizes 1,2] [--prompt-len 32]
         [--parts] [--async-scheduling] [--json OUT]
 """
@@ -40,6 +44,8 @@ import torch  # noqa: E402
 
 SHAPE = "tiny-llama"
 SAVE_EVERY = 8  # worker steps between writes of its totals
+BLOCK_SIZE = 16
+PREFILLS_PER_STEP = 8  # long prompts prefilled per step at most: the CPU attends them padded to the longest
 
 
 class Clock:
@@ -127,7 +133,7 @@ def worker_loader(path: str, inner, *, device, tp):
 
 def run(size: int, batch: int, steps: int, device: str, *, parts: bool = False, async_scheduling: bool | None = None,
         prompt_len: int = 32) -> dict:
-    from pagedattn.engine.config import EngineConfig
+    from pagedattn.engine.config import DEFAULT_CHUNKED_BATCHED_TOKENS, EngineConfig
     from pagedattn.engine.llm_engine import LLMEngine
     from pagedattn.engine.sampling_params import SamplingParams
     from pagedattn.models.dummy import load_dummy_model
@@ -135,10 +141,21 @@ def run(size: int, batch: int, steps: int, device: str, *, parts: bool = False, 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     inner = functools.partial(load_dummy_model, SHAPE, dtype=dtype, seed=0)
     stats_path = tempfile.mktemp(prefix="tp-worker-", suffix=".json")
-    config = EngineConfig(device=device, tensor_parallel_size=size, max_num_seqs=batch, num_kv_blocks=4096, seed=0,
-                          async_scheduling=async_scheduling)
+    # Every request must still run through the timed steps, its blocks in the pool: else those steps run
+    # (and time) fewer sequences than --batch. The prompts are prefilled PREFILLS_PER_STEP a step (a
+    # budget that grows for long prompts only) while the first ones decode.
+    budget = max(DEFAULT_CHUNKED_BATCHED_TOKENS[torch.device(device).type], batch + PREFILLS_PER_STEP * prompt_len)
+    prefill_steps = -(-batch * prompt_len // (budget - batch)) + 1
+    max_tokens = prefill_steps + SAVE_EVERY + steps + 2
+    blocks = max(4096, batch * -(-(prompt_len + max_tokens) // BLOCK_SIZE))
+    config = EngineConfig(device=device, tensor_parallel_size=size, max_num_seqs=batch, max_num_batched_tokens=budget,
+                          block_size=BLOCK_SIZE, num_kv_blocks=blocks, seed=0, async_scheduling=async_scheduling)
     loader = functools.partial(worker_loader, stats_path, inner) if size > 1 else inner(device=torch.device(device))
     engine = LLMEngine(config, loader)
+    if prompt_len + max_tokens > engine.scheduler.max_model_len:
+        engine.shutdown()
+        raise SystemExit(f"expected --prompt-len <= {engine.scheduler.max_model_len - max_tokens} ({SHAPE}'s context "
+                         f"of {engine.scheduler.max_model_len} less {max_tokens} tokens generated), got {prompt_len}")
     if device == "cpu":
         torch.set_num_threads(1)  # each rank one core (the workers take cpu_count // size)
     clock = Clock()
@@ -146,7 +163,7 @@ def run(size: int, batch: int, steps: int, device: str, *, parts: bool = False, 
     if parts:
         timed_rank0_parts(clock)
     try:
-        params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         for i in range(batch):
             engine.add_request([(i * 7 + j) % 500 + 3 for j in range(prompt_len)], params)
         for _ in range(SAVE_EVERY):  # the prefill, then decodes until the worker has saved its totals

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pagedattn
-from cases import Shape, make_scenario
+from cases import Shape, make_scenario, refusal_guard
 from paged_batch import raw_bits
 
 LENS = ((40, 5), (37, 1), (52, 1), (33, 1))  # (context_len, query_len): all contexts >= SHARED blocks
@@ -72,7 +72,8 @@ def _layer(sc, backend_name, **opts):
 def test_shared_prefix_apart_equals_whole(backend, backend_name, device, model_dtype, option):
     opts = dict(OPTIONS[option])
     sc = _shared_scenario(backend, device, model_dtype, kv_cache_dtype=opts.pop("kv_cache_dtype", "auto"))
-    layer = _layer(sc, backend_name, **opts)
+    with refusal_guard(backend, option):  # FlashInfer 0.7.2 applies sinks on Blackwell only
+        layer = _layer(sc, backend_name, **opts)
     if layer.prefix_impl is None:
         pytest.skip(f"{backend_name}: {layer.cascade_refusal}")
     builder = sc.builder(layers=[layer.impl, layer.prefix_impl])
