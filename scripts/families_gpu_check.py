@@ -15,13 +15,16 @@ largest |ours - truth| over our top 20) is set beside transformers' own error at
 dtype. A random mixture of experts in bf16 can route a token differently from float32 on a
 rounding, so transformers' bf16 and ours may both leave the float32 choice; ours is within
 bf16 tolerance when its error is no more than --error-ratio times transformers' (or below
-0.05). A prompt passes on equal tokens, a near-tie, or that. The engine runs as in production:
+0.05). A prompt passes on equal tokens, a near-tie, or that. `--error-prompts N` adds N random
+prompts (30-700 tokens) judged on their first token only, summed up: both errors' mean and
+median, and on how many each side's error passes the ratio times the other's; one prompt's
+verdict is a coin toss where bf16 routes experts apart, the sums are not. The engine runs as in production:
 CUDA graphs (unless --enforce-eager), chunked prefill, the prefix cache (the last prompt shares
 most of the first one's tokens and runs after it), KV cache groups for the hybrid families.
 
     python scripts/families_gpu_check.py [--backend torch,triton] [--families qwen3,gemma3,gpt_oss,gemma2]
         [--size medium|tiny] [--dtype bfloat16|float32] [--max-tokens 32] [--tie-gap 0.25] [--error-ratio 1.25]
-        [--enforce-eager]
+        [--enforce-eager] [--error-prompts 0]
         [--device cuda]    (--device cpu --size tiny --dtype float32 --backend torch: a smoke run of the script)
 
 Exit status 0 when every family and backend that ran passed (refusals are listed, not failures), 1 otherwise.
@@ -196,11 +199,36 @@ def check(family: str, backend: str, a) -> str:
                 ok = ok or within
             passed &= ok
             print(f"  prompt {n} ({len(prompt)} tokens): {line}")
+        if truth is not None and a.error_prompts:
+            print(f"  {error_summary(llm, truth, reference, a)}")
         del llm, reference, truth
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return "passed" if passed else "failed"
+
+
+def error_summary(llm, truth, reference, a) -> str:
+    """First-token errors against float32 over `a.error_prompts` random prompts, ours and
+    transformers' at the model dtype, summed up (see the module doc)."""
+    import statistics
+
+    gen = torch.Generator().manual_seed(11)
+    lens = torch.randint(30, 700, (a.error_prompts,), generator=gen).tolist()
+    params = pagedattn.SamplingParams(temperature=0.0, max_tokens=1, logprobs=20)
+    ours, theirs = [], []
+    for n in lens:
+        prompt = torch.randint(0, 256, (n,), generator=gen).tolist()
+        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        mine, their = error_against_truth(out, prompt, truth, reference)
+        ours.append(mine)
+        theirs.append(their)
+    beyond = sum(m > max(a.error_ratio * t, 0.05) for m, t in zip(ours, theirs))
+    their_beyond = sum(t > max(a.error_ratio * m, 0.05) for m, t in zip(ours, theirs))
+    return (f"first token vs float32 over {len(lens)} more prompts: error ours mean {statistics.mean(ours):.3f}, "
+            f"median {statistics.median(ours):.3f}; transformers' {a.dtype} mean {statistics.mean(theirs):.3f}, "
+            f"median {statistics.median(theirs):.3f}; ours above {a.error_ratio}x theirs on {beyond}, theirs above "
+            f"{a.error_ratio}x ours on {their_beyond}")
 
 
 def main(argv=None) -> int:
@@ -214,6 +242,8 @@ def main(argv=None) -> int:
     ap.add_argument("--error-ratio", type=float, default=1.25,
                     help="largest ratio of our error against float32 to transformers' at the same dtype")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--error-prompts", type=int, default=0,
+                    help="below float32: this many more random prompts' first-token errors, summed up")
     ap.add_argument("--device", default="cuda")
     a = ap.parse_args(argv)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
