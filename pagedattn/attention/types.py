@@ -50,8 +50,13 @@ class ScheduledSeq:
 
     @property
     def is_prefill(self) -> bool:
-        """The one prefill rule: a sequence computing several tokens, or its first."""
-        return self.query_len > 1 or self.context_len == 0
+        return is_prefill(self.seq_len, self.query_len)
+
+
+def is_prefill(seq_len: int, query_len: int) -> bool:
+    """The one prefill rule: a sequence computing several tokens, or its first. A function too,
+    so the scheduler asks it of a step before making its `ScheduledSeq`."""
+    return query_len > 1 or seq_len == query_len
 
 
 def window_start_block(context_len: int, sliding_window: int | None, block_size: int) -> int:

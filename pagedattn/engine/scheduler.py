@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from pagedattn.attention.types import ScheduledSeq
+from pagedattn.attention.types import ScheduledSeq, is_prefill
 from pagedattn.engine.block_manager import BlockManager
 from pagedattn.engine.sampling_params import SamplingParams
 from pagedattn.engine.sequence import Sequence, SequenceGroup, SeqStatus
@@ -64,7 +64,8 @@ class ScheduledChunk:
     @property
     def num_encoder_tokens(self) -> int:
         """Encoder tokens this chunk runs: its encoder prompt when it is a prefill, else 0."""
-        return _encoder_tokens(self.scheduled)
+        s = self.scheduled
+        return _encoder_tokens(s.encoder_len, s.seq_len, s.query_len)
 
     def sampling_rows(self) -> list[tuple[SamplingParams, torch.Generator | None]]:
         """What the sampler draws for this chunk, one (params, generator) per token: none when
@@ -102,7 +103,10 @@ class SchedulerOutput:
         return not any(c.scheduled.is_prefill for c in self.chunks)
 
 
-Plan = list[tuple[Sequence, ScheduledSeq, bool]]  # (sequence, its step without block table, sample its logits)
+# (sequence, seq_len, query_len, sample its logits): a step of each sequence as host ints, its
+# ScheduledSeq made once at commit with the tables (measured on the CPU, 2026-11-27: three
+# ScheduledSeq per sequence per step were a third of `schedule` at 256 decodes)
+Plan = list[tuple[Sequence, int, int, bool]]
 
 
 class Scheduler:
@@ -240,7 +244,7 @@ class Scheduler:
             known = c.scheduled.seq_len  # the tokens `prev` computes; it samples token `known`
             assert len(seq) == known, (len(seq), c.scheduled)
             if known - seq.num_prompt_tokens + 1 < params.max_tokens and known + 1 < self.max_model_len:
-                plan.append((seq, ScheduledSeq(known + 1, 1, encoder_len=seq.encoder_len), True))
+                plan.append((seq, known + 1, 1, True))
                 groups.append(group)
         if not plan or self._blocks_needed(plan) > self.bm.num_free_blocks:
             return None
@@ -291,7 +295,7 @@ class Scheduler:
                 return
             # After swap-in every block is fresh; a shared last block (of each group) may still need a copy.
             need = self.bm.swap_in_cost(seqs) + self.bm.num_groups * sum(
-                max(0, cdiv(self._target(st), self.block_size) - len(s.block_table)) + 1 for s, st, _ in plan
+                max(0, cdiv(self._target(n, q), self.block_size) - len(s.block_table)) + 1 for s, n, q, _ in plan
             )
             cross_need = self.bm.cross_swap_in_cost(seqs)
             if need > self.bm.num_free_blocks - self.watermark or cross_need > self.bm.num_free_cross_blocks:
@@ -336,50 +340,64 @@ class Scheduler:
 
     def _decode_tokens(self, group: SequenceGroup) -> int:
         """Tokens the group's next step computes if it is a decode of every sequence, else 0."""
-        steps = [_step(s, s.num_uncomputed_tokens) for s in group.live_seqs]
-        return 0 if any(st.is_prefill for st in steps) else len(steps)
+        n = 0
+        for s in group.live_seqs:
+            r = s.num_uncomputed_tokens
+            if is_prefill(s.num_computed_tokens + r, r):
+                return 0
+            n += 1
+        return n
 
     def _plan(self, group: SequenceGroup, token_cap: int, seq_cap: int) -> Plan:
         seqs = group.live_seqs
-        remaining = [s.num_uncomputed_tokens for s in seqs]
-        whole = [_step(s, r) for s, r in zip(seqs, remaining)]  # each sequence's every remaining token
-        # An encoder-decoder prefill costs its encoder tokens too and is never chunked.
-        costs = [r + _encoder_tokens(st) for r, st in zip(remaining, whole)]
-        chunked = self.chunked and not any(s.encoder_len for s in seqs)
         if group.is_beam and len(seqs) > 1:
-            if len(seqs) > seq_cap:
-                return []
-            if sum(costs) <= token_cap:
-                return [(s, st, True) for s, st in zip(seqs, whole)]
-            plan: Plan = []
-            left = token_cap if chunked else 0
-            for s, r in zip(seqs, remaining):  # everything but the last tokens, chunked
-                n = min(r - 1, left)
-                if n > 0:
-                    plan.append((s, _step(s, n), False))
-                    left -= n
-            return plan
-        plan = []
+            return self._plan_beams(seqs, token_cap, seq_cap)
+        plan: Plan = []
         left = token_cap
-        for s, st, cost in zip(seqs, whole, costs):
+        for s in seqs:  # each sequence's every remaining token, the one that does not fit chunked
             if left <= 0 or len(plan) == seq_cap:
                 break
+            computed, r = s.num_computed_tokens, s.num_uncomputed_tokens
+            cost = r + _encoder_tokens(s.encoder_len, computed + r, r)
             if cost <= left:
-                plan.append((s, st, True))
+                plan.append((s, computed + r, r, True))
                 left -= cost
-            elif chunked:
-                plan.append((s, _step(s, left), False))
+            elif self._chunkable(seqs):
+                plan.append((s, computed + left, left, False))
                 left = 0
         return plan
 
-    def _target(self, step: ScheduledSeq) -> int:
-        """Tokens a sequence needs slots for after `step` (lookahead slots for multi-step decodes)."""
-        return step.seq_len + (0 if step.is_prefill else self.lookahead)
+    def _plan_beams(self, seqs: list[Sequence], token_cap: int, seq_cap: int) -> Plan:
+        """A beam search's step: every beam's remaining tokens, or all but their last tokens
+        chunked (the last ones are computed in one step, as the beams are scored together)."""
+        if len(seqs) > seq_cap:
+            return []
+        remaining = [s.num_uncomputed_tokens for s in seqs]
+        costs = [r + _encoder_tokens(s.encoder_len, s.num_computed_tokens + r, r) for s, r in zip(seqs, remaining)]
+        if sum(costs) <= token_cap:
+            return [(s, s.num_computed_tokens + r, r, True) for s, r in zip(seqs, remaining)]
+        plan: Plan = []
+        left = token_cap if self._chunkable(seqs) else 0
+        for s, r in zip(seqs, remaining):  # everything but the last tokens, chunked
+            n = min(r - 1, left)
+            if n > 0:
+                plan.append((s, s.num_computed_tokens + n, n, False))
+                left -= n
+        return plan
+
+    def _chunkable(self, seqs: list[Sequence]) -> bool:
+        """An encoder-decoder prefill costs its encoder tokens too and is never chunked."""
+        return self.chunked and not any(s.encoder_len for s in seqs)
+
+    def _target(self, seq_len: int, query_len: int) -> int:
+        """Tokens a sequence needs slots for after its step (lookahead slots for multi-step decodes)."""
+        return seq_len + (0 if is_prefill(seq_len, query_len) else self.lookahead)
 
     def _blocks_needed(self, plan: Plan) -> int:
+        bm = self.bm
         if not self.lookahead:
-            return sum(self.bm.blocks_needed(s, st.seq_len) for s, st, _ in plan)
-        return sum(self.bm.blocks_needed(s, self._target(st)) for s, st, _ in plan)
+            return sum(bm.blocks_needed(s, n) for s, n, _, _ in plan)
+        return sum(bm.blocks_needed(s, self._target(n, q)) for s, n, q, _ in plan)
 
     def _cross_blocks(self, group: SequenceGroup) -> int:
         """Cross blocks the group takes when admitted (each of its sequences has its own)."""
@@ -403,19 +421,19 @@ class Scheduler:
     def _commit(self, group: SequenceGroup, plan: Plan, out: SchedulerOutput, budget: _Budget) -> None:
         if group.metrics.first_scheduled_time is None:
             group.metrics.first_scheduled_time = time.perf_counter()
-        bm = self.bm
-        for seq, step, sample in plan:
-            copies = bm.ensure_slots(seq, self._target(step) if self.lookahead else step.seq_len)
+        bm, lookahead = self.bm, self.lookahead
+        for seq, seq_len, query_len, sample in plan:
+            copies = bm.ensure_slots(seq, self._target(seq_len, query_len) if lookahead else seq_len)
             if copies:
                 out.copies += copies
-            if step.encoder_len:
+            encoder_len = seq.encoder_len
+            if encoder_len:
                 bm.ensure_cross_blocks(seq)
             # Copies: the block manager edits the tables in place after the step.
             tables = tuple(map(tuple, seq.block_tables))
-            scheduled = ScheduledSeq(step.seq_len, step.query_len, tables[0], step.encoder_len,
-                                     tuple(seq.cross_block_table))
+            scheduled = ScheduledSeq(seq_len, query_len, tables[0], encoder_len, tuple(seq.cross_block_table))
             out.chunks.append(ScheduledChunk(seq, group, scheduled, sample, tables))
-            budget.tokens -= step.query_len + _encoder_tokens(step)
+            budget.tokens -= query_len + _encoder_tokens(encoder_len, seq_len, query_len)
             budget.seqs -= 1
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
@@ -452,11 +470,6 @@ class _Budget:
     seqs: int
 
 
-def _step(seq: Sequence, num_tokens: int) -> ScheduledSeq:
-    """`seq` computing its next `num_tokens` tokens (the block tables are added at commit)."""
-    return ScheduledSeq(seq_len=seq.num_computed_tokens + num_tokens, query_len=num_tokens, encoder_len=seq.encoder_len)
-
-
-def _encoder_tokens(step: ScheduledSeq) -> int:
+def _encoder_tokens(encoder_len: int, seq_len: int, query_len: int) -> int:
     """Encoder tokens a step runs: a prefill's encoder prompt (0 for decoder-only models)."""
-    return step.encoder_len if step.is_prefill else 0
+    return encoder_len if is_prefill(seq_len, query_len) else 0
