@@ -185,7 +185,7 @@ class StartUp:
 
     PARTS = {"spawn and join": ("pagedattn.engine.distributed", "TensorParallel", "__init__"),
              "runner": ("pagedattn.engine.model_runner", "ModelRunner", "__init__"),
-             "of it profile and KV pool": ("pagedattn.engine.model_runner", "ModelRunner", "_num_kv_blocks"),
+             "of it profile and KV pool": ("pagedattn.engine.kv_pool", "KVPoolSizer", "num_kv_blocks"),
              "of it warm-up": ("pagedattn.engine.model_runner", "ModelRunner", "_warm_up"),
              "of it graph capture": ("pagedattn.engine.model_runner", "ModelRunner", "_capture_graphs")}
 
@@ -279,12 +279,12 @@ def _throughput(setup: Setup, engine, size: int, worker_stats: str, report: Repo
     from pagedattn.benchmarks import engine_offline as offline
     from pagedattn.engine import launched_step
     from pagedattn.engine.llm_engine import LLMEngine
-    from tp_host_time import Clock
+    from tp_host_time import Clock, delta, read_json, worker_per_step
 
     clock = Clock()
     clock.wrap(LLMEngine, "step", "step")
     clock.wrap(launched_step._HostCopy, "get", "wait for the device")
-    before = _read_json(worker_stats)
+    before = read_json(worker_stats)
     n, length = setup.n(THROUGHPUT_REQUESTS), setup.n(128)
     lengths = [(length, length)] * n
     cell = offline.measure(lambda rep: offline.run_ours(engine, offline.make_requests(
@@ -295,26 +295,15 @@ def _throughput(setup: Setup, engine, size: int, worker_stats: str, report: Repo
     step = clock.wall["step"]
     out["rank0_per_step_ms"] = {"step": step * 1e3 / steps, "host": (step - wait) * 1e3 / steps,
                                 "waiting for the device": wait * 1e3 / steps, "steps": steps}
-    worker = _read_json(worker_stats)
+    worker = read_json(worker_stats)
     if worker and before:
-        calls = worker["calls"]["execute"] - before["calls"]["execute"]
-        cpu = {k: (v - before["cpu"].get(k, 0.0)) * 1e3 / max(1, calls) for k, v in worker["cpu"].items()}
-        out["worker_per_step_ms"] = {"host": cpu.get("receive", 0) + cpu.get("execute", 0),
-                                     "unpickle": cpu.get("receive", 0) - cpu.get("pipe read", 0),
-                                     "execute": cpu.get("execute", 0), "steps": calls}
+        out["worker_per_step_ms"] = worker_per_step(delta(before, worker))
     r = out["rank0_per_step_ms"]
     worker = f"; worker host {out['worker_per_step_ms']['host']:.2f} ms" if "worker_per_step_ms" in out else ""
     report.line(f"TP={size}: {n} x {length}/{length}: {cell['tokens_per_s']:.0f} output tokens/s (runs "
                 f"{cell['runs_s']} s); rank 0 a step: {r['step']:.2f} ms, host {r['host']:.2f} ms, waiting for the "
                 f"device {r['waiting for the device']:.2f} ms{worker}")
     return out
-
-
-def _read_json(path: str) -> dict:
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def _greedy(setup: Setup, engine) -> list[dict]:
@@ -441,6 +430,8 @@ def run_stage(name: str, out: Path, device: str) -> int:
 
 
 def orchestrate(out: Path, stages: list[str], budget: float, device: str) -> int:
+    from tp_host_time import read_json
+
     for old in [out / "summary.txt", out / "tp_check.log", *out.glob("stage-*.json")]:
         old.unlink(missing_ok=True)
     report = Report(out, out / "tp_check.json")
@@ -467,7 +458,7 @@ def orchestrate(out: Path, stages: list[str], budget: float, device: str) -> int
             report.line(f"{name}: cut at its budget of {limit:.0f} s; what it measured is kept")
         failed |= code != 0
         stage_path = out / f"stage-{name}.json"
-        report.save(name, dict(_read_json(str(stage_path)), seconds=round(time.monotonic() - start, 1),
+        report.save(name, dict(read_json(str(stage_path)), seconds=round(time.monotonic() - start, 1),
                                exit_code=code))
         stage_path.unlink(missing_ok=True)  # merged: OUT keeps few files (what comes back from a GPU run is counted)
     one, two = report.data.get("tp1", {}), report.data.get("tp2", {})

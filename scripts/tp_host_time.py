@@ -171,7 +171,7 @@ def run(size: int, batch: int, steps: int, device: str, *, parts: bool = False, 
         while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
                                               for g in engine.scheduler.running for s in g.seqs):
             engine.step()  # long prompts: until every prefill is done
-        worker_before = _read(stats_path)
+        worker_before = read_json(stats_path)
         before = clock.snapshot()
         walls, cpus = [], []
         for _ in range(steps):
@@ -181,11 +181,11 @@ def run(size: int, batch: int, steps: int, device: str, *, parts: bool = False, 
             cpus.append(time.thread_time() - c)
         after = clock.snapshot()
         time.sleep(0.2)
-        worker = _delta(worker_before, _read(stats_path))
+        worker = delta(worker_before, read_json(stats_path))
     finally:
         engine.shutdown()
         Path(stats_path).unlink(missing_ok=True)
-    per_step = {k: v * 1e3 / steps for k, v in _delta(before, after)["cpu"].items()}
+    per_step = {k: v * 1e3 / steps for k, v in delta(before, after)["cpu"].items()}
     if parts:
         out_parts = {k: per_step.get(k, 0.0) for k in ("schedule", "plan", "metadata", "forward", "sample", "process",
                                                         "outputs")}
@@ -200,23 +200,33 @@ def run(size: int, batch: int, steps: int, device: str, *, parts: bool = False, 
         out["rank0_parts_ms"] = out_parts
         out["rank0_host_mean_ms_without_forward"] = out["rank0_host_mean_ms"] - out_parts["forward"]
     if worker:
-        n = worker["calls"].get("execute", 0) or 1
-        cpu, wall = worker["cpu"], worker["wall"]
-        out["worker_ms"] = {"host": (cpu.get("receive", 0.0) + cpu.get("execute", 0.0)) * 1e3 / n,
-                            "unpickle": (cpu.get("receive", 0.0) - cpu.get("pipe read", 0.0)) * 1e3 / n,
-                            "execute": cpu.get("execute", 0.0) * 1e3 / n,
-                            "waiting for rank 0": wall.get("pipe read", 0.0) * 1e3 / n}
+        out["worker_ms"] = worker_per_step(worker)
     return out
 
 
-def _read(path: str) -> dict:
+def read_json(path: str) -> dict:
+    """A JSON file (a worker's stats, `worker_loader`; a stage's results), or {} where it is not
+    written yet."""
     try:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return {}
 
 
-def _delta(a: dict, b: dict) -> dict:
+def worker_per_step(worker: dict) -> dict:
+    """ms per step of a worker's host work, from the difference of two of its stats files (`delta`):
+    its host time (the plan received and run), the unpickling (the receive less the pipe's read),
+    the run, and the wall time it waited for rank 0 (the pipe's read)."""
+    n = worker["calls"].get("execute", 0) or 1
+    cpu, wall = worker["cpu"], worker["wall"]
+    return {"host": (cpu.get("receive", 0.0) + cpu.get("execute", 0.0)) * 1e3 / n,
+            "unpickle": (cpu.get("receive", 0.0) - cpu.get("pipe read", 0.0)) * 1e3 / n,
+            "execute": cpu.get("execute", 0.0) * 1e3 / n,
+            "waiting for rank 0": wall.get("pipe read", 0.0) * 1e3 / n, "steps": n}
+
+
+def delta(a: dict, b: dict) -> dict:
+    """`b` less `a`, part by part ({} when `b` is: no stats yet)."""
     if not b:
         return {}
     return {part: {k: v - a.get(part, {}).get(k, 0) for k, v in b[part].items()} for part in b}
