@@ -246,6 +246,8 @@ def main(argv=None) -> int:
                     help="below float32: this many more random prompts' first-token errors, summed up")
     ap.add_argument("--device", default="cuda")
     a = ap.parse_args(argv)
+    if a.error_prompts < 0:
+        ap.error(f"--error-prompts: expected a count >= 0, got {a.error_prompts}")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("needs a CUDA device (--device cpu for a smoke run)", file=sys.stderr)
         return 2
