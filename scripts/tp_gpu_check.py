@@ -48,8 +48,14 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "tests")]
 
 import torch  # noqa: E402
 
-STAGES = {"all-reduce": 75, "tp1": 150, "tp2": 170, "serve": 90}
-"""Seconds each stage may take, start-up included (measured 68-72 s for an 8B engine before)."""
+STAGES = {"all-reduce": 75, "tp1": 150, "tp2": 190, "serve": 150}
+"""Seconds each stage may take, start-up included (2x H200, 2026-11-27, eebda9e: an 8B engine up in
+89-99 s; the tp2 stage ran out of 170 s after its last measurement, the serve stage out of 90 s
+before its server was ready)."""
+SERVER_PID = "serve.pid"
+"""The serve stage's server runs in a session of its own (a terminal's Ctrl-C is what it is sent),
+so killing the stage's process group misses it: the stage writes the server's pid here, and the
+orchestrator kills that group too when it cuts the stage."""
 MIN_STAGE_S = 30  # a stage with less time left than this is skipped
 MAX_MODEL_LEN = 512
 """Every request here fits (128 + 129 tokens). The warm-up's steps reach the context: at 512 it
@@ -372,6 +378,7 @@ def _serve(setup: Setup, report: Report, folder: Path) -> None:
             "--max-num-seqs", "32", "--log-level", "warning", "--device", setup.device]
     result: dict = {"command": "pagedattn serve " + " ".join(args)}
     with (report.out / "serve.log").open("w") as log, ServeProcess(args, log=log) as server:
+        (report.out / SERVER_PID).write_text(str(server.proc.pid))
         result["ready_s"] = server.wait_ready(STAGES["serve"] - 20)
         workers = server.children()  # the tensor-parallel worker (and multiprocessing's resource tracker)
         prompt = " ".join(f"t{i}" for i in range(100, 132))
@@ -390,6 +397,7 @@ def _serve(setup: Setup, report: Report, folder: Path) -> None:
             result.update(client=f"httpx {httpx.__version__} (the openai package is not installed here)",
                           text=body["choices"][0]["text"], completion_tokens=body["usage"]["completion_tokens"])
         result["exit_code"] = server.stop(60)  # SIGINT to its process group: a terminal's Ctrl-C
+    (report.out / SERVER_PID).unlink(missing_ok=True)
     deadline = time.monotonic() + 10
     while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -399,6 +407,18 @@ def _serve(setup: Setup, report: Report, folder: Path) -> None:
     report.line(f"serve: [{'met' if ok else 'NOT met'}] ready in {result['ready_s']:.0f} s with {len(workers)} "
                 f"child processes; {result['client']} got {result['completion_tokens']} tokens "
                 f"{result['text'][:60]!r}; after SIGINT exit {result['exit_code']}, left: {result['left'] or 'none'}")
+
+
+def _kill_server(out: Path) -> None:
+    """Kill the process group of a server that a cut serve stage left running (its KV pool holds
+    90% of the GPUs' memory, which the next command would find taken)."""
+    path = out / SERVER_PID
+    if path.exists():
+        try:
+            os.killpg(int(path.read_text()), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+        path.unlink()
 
 
 def _alive(pid: int) -> bool:
@@ -454,6 +474,7 @@ def orchestrate(out: Path, stages: list[str], budget: float, device: str) -> int
         except subprocess.TimeoutExpired:
             os.killpg(child.pid, signal.SIGKILL)  # the stage and its workers
             child.wait()
+            _kill_server(out)
             code = None
             report.line(f"{name}: cut at its budget of {limit:.0f} s; what it measured is kept")
         failed |= code != 0
