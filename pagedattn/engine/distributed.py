@@ -24,6 +24,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -40,6 +41,9 @@ CLOSE_GRACE_S = 10.0
 """How long workers get to leave their loop and exit after a shutdown, before SIGKILL."""
 FAILURE_WAIT_S = 3.0
 """After a collective fails, how long to wait for the watcher to name a dead worker."""
+LEAVE_TIMEOUT_S = 30.0
+"""How long rank 0 waits, at a shutdown, for the ranks to tear their process groups down
+together, before it aborts them instead."""
 
 _active: weakref.WeakSet = weakref.WeakSet()  # the running TensorParallel of this process (at most one)
 
@@ -174,19 +178,43 @@ def _abort(joined: list[TPGroup]) -> None:
 
 
 def _stop(tp: TPGroup, workers: WorkerProcesses | None, *, graceful: bool) -> None:
-    """Stop the group: tell the workers to leave (graceful) or abort the collectives, reap the
-    workers, leave the process groups. A finalizer: it holds no engine object."""
+    """Stop the group: tell the workers to leave and leave the process groups with them
+    (graceful), reap the workers; else (or when leaving takes more than LEAVE_TIMEOUT_S) kill
+    them and abort the groups. A finalizer: it holds no engine object.
+
+    Rank 0 leaves before it reaps: NCCL's communicator teardown (`destroy_process_group`)
+    returns on a rank only once every rank of the communicator has called it, so a worker
+    leaving on its own waits for rank 0, and a rank 0 that first waited for that worker to exit
+    (then killed it) would wait for a dead rank in its own teardown: every TP=2 shutdown on
+    two H200s hung so (2026-11-27, eebda9e), where gloo's local teardown on the CPU had not."""
     if graceful:
         try:
             tp.send(None)
         except Exception:  # noqa: BLE001 - a worker gone already: reaped below
             graceful = False
+    if graceful:
+        graceful = _within(LEAVE_TIMEOUT_S, leave, tp)
     if workers is not None:
         workers.close(CLOSE_GRACE_S if graceful else 0.0)
-    try:
-        leave(tp, abort=not graceful)
-    except Exception:  # noqa: BLE001 - tearing down after a failure: the error that matters is raised elsewhere
-        logger.debug("leaving the process groups failed", exc_info=True)
+    if not graceful:
+        _within(LEAVE_TIMEOUT_S, functools.partial(leave, tp, abort=True))
+
+
+def _within(seconds: float, fn: Callable, *args) -> bool:
+    """Run fn(*args) on a daemon thread; whether it returned within `seconds` (a teardown stuck
+    in NCCL then stays behind on its thread, which does not keep the process from exiting)."""
+    def run() -> None:
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 - tearing down: the error that matters is raised elsewhere
+            logger.debug("leaving the process groups failed", exc_info=True)
+
+    thread = threading.Thread(target=run, name="pagedattn-tp-leave", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        logger.warning("tensor-parallel shutdown: leaving the process groups took over %.0f s; aborting them", seconds)
+    return not thread.is_alive()
 
 
 def run_worker(rank: int, channel, rendezvous: Rendezvous, config: EngineConfig, loader: Callable) -> None:

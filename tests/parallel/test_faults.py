@@ -131,3 +131,40 @@ def _children() -> list[str]:
         except (OSError, IndexError, ValueError):
             continue
     return out
+
+
+class _Recorded:
+    """A TPGroup's and WorkerProcesses' stand-in for `_stop`: records what it is asked, in order."""
+
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def send(self, message) -> None:
+        self.calls.append(("send", message))
+
+    def close(self, grace_s: float) -> None:
+        self.calls.append(("close", grace_s))
+
+
+@pytest.mark.parametrize("hangs", [False, True])
+def test_shutdown_leaves_with_the_workers_before_reaping_them(monkeypatch, hangs):
+    # NCCL's teardown returns only once every rank has called it: rank 0 must leave while its
+    # workers do, not after killing them; a teardown that hangs anyway is aborted, bounded.
+    from pagedattn.engine import distributed
+
+    calls = []
+
+    def leave(tp, *, abort=False):
+        calls.append(("leave", abort))
+        if hangs and not abort:
+            time.sleep(5)
+
+    monkeypatch.setattr(distributed, "leave", leave)
+    monkeypatch.setattr(distributed, "LEAVE_TIMEOUT_S", 0.2)
+    start = time.monotonic()
+    distributed._stop(_Recorded(calls), _Recorded(calls), graceful=True)
+    assert time.monotonic() - start < 3
+    if hangs:
+        assert calls == [("send", None), ("leave", False), ("close", 0.0), ("leave", True)]
+    else:
+        assert calls == [("send", None), ("leave", False), ("close", distributed.CLOSE_GRACE_S)]
