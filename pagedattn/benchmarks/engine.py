@@ -222,6 +222,7 @@ def _bench_shape(shape: str, s: dict, bandwidth: float, rows: list[dict], bar) -
     """Every part of the run for one model shape; offline rows are appended to `rows`."""
     from pagedattn.benchmarks import engine_offline as offline
     from pagedattn.benchmarks import engine_online as online
+    from pagedattn.benchmarks.engine_report import decode_step_line
     from pagedattn.benchmarks.transformers_runner import TransformersRunner
     from pagedattn.engine.config import EngineConfig
     from pagedattn.engine.llm_engine import LLMEngine
@@ -282,6 +283,7 @@ def _bench_shape(shape: str, s: dict, bandwidth: float, rows: list[dict], bar) -
         engine.async_scheduling = False
         info["decode_step_sync"] = offline.decode_step(engine, **step)
         engine.async_scheduling = True
+    bar.write(decode_step_line(shape, info))  # now: a run cut later (a hung shutdown, a time limit) keeps it
     bar.update()
     if s["shared_prefix"] is not None:
         from pagedattn.benchmarks.engine_shared_prefix import run_shared_prefix

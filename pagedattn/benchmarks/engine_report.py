@@ -201,6 +201,21 @@ def plot(result: dict, path: Path) -> Path | None:
 # ---------------------------------------------------------------------- the table
 
 
+def decode_step_line(shape: str, s: dict) -> str:
+    """The decode step of shape `shape` (its entry `s` of the result's shapes, with a
+    "decode_step"), against its floor, as one line."""
+    d, sync = s["decode_step"], s.get("decode_step_sync")
+    return (f"{_shape_name(shape, s)} decode step at batch {d['batch']}: {d['median_step_s'] * 1e3:.2f} ms (p10 "
+            f"{d['p10_step_s'] * 1e3:.2f}, p90 {d['p90_step_s'] * 1e3:.2f}), floor{_per_gpu(s)} "
+            f"{d['floor_s'] * 1e3:.2f} ms ({d['ratio_to_floor']:.2f}x)"
+            + (f"; model and output head alone (graph replay) {d['graph_replay_s'] * 1e3:.2f} ms"
+               if d.get("graph_replay_s") else "")
+            + (f"; all-reduce {d['all_reduce_s'] * 1e6:.1f} us x {d['all_reduces_per_step']} = "
+               f"{d['all_reduce_step_s'] * 1e3:.2f} ms a step ({d.get('all_reduce', 'NCCL')})"
+               if d.get("all_reduce_s") is not None else "")
+            + (f"; without async scheduling {sync['median_step_s'] * 1e3:.2f} ms" if sync else ""))
+
+
 def print_summary(result: dict) -> None:
     p = print
     env = result["environment"]
@@ -220,17 +235,8 @@ def print_summary(result: dict) -> None:
             p(f"{shape}: FAILED: {s['error']}")
         for why in s.get("skipped", []):
             p(f"{shape}: {why}")
-        d, sync = s.get("decode_step"), s.get("decode_step_sync")
-        if d:
-            p(f"{_shape_name(shape, s)} decode step at batch {d['batch']}: {d['median_step_s'] * 1e3:.2f} ms (p10 "
-              f"{d['p10_step_s'] * 1e3:.2f}, p90 {d['p90_step_s'] * 1e3:.2f}), floor{_per_gpu(s)} "
-              f"{d['floor_s'] * 1e3:.2f} ms"
-              + (f"; model and output head alone (graph replay) {d['graph_replay_s'] * 1e3:.2f} ms"
-                 if d.get("graph_replay_s") else "")
-              + (f"; all-reduce {d['all_reduce_s'] * 1e6:.1f} us x {d['all_reduces_per_step']} = "
-                 f"{d['all_reduce_step_s'] * 1e3:.2f} ms a step ({d.get('all_reduce', 'NCCL')})"
-                 if d.get("all_reduce_s") is not None else "")
-              + (f"; without async scheduling {sync['median_step_s'] * 1e3:.2f} ms" if sync else ""))
+        if s.get("decode_step"):
+            p(decode_step_line(shape, s))
         sp = s.get("shared_prefix")
         if sp:
             p(shared_prefix_line(_shape_name(shape, s), sp))
