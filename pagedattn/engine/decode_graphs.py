@@ -187,6 +187,18 @@ class DecodeGraphs:
         g.graph.replay()
         return g.logits
 
+    def release(self) -> None:
+        """Destroy every captured graph (no replay after it). Tensor parallelism needs it before
+        its process groups are left: NCCL's communicator teardown (destroy or abort) waits until
+        every CUDA graph that captured one of its collectives is destroyed (each holds a
+        reference on the communicator; NCCL's `commDestroySync`, pytorch/pytorch#115388), and the
+        decode graphs capture the output head's gather."""
+        for g in self._graphs.values():
+            g.graph.reset()
+        self._graphs.clear()
+        self._last = None
+        torch.cuda.synchronize(self.device)
+
     def time_replay(self, batch_size: int, reps: int = 20) -> float | None:
         """Device seconds of one replay of the graph that serves `batch_size` decodes (the model and
         its output head, without sampling or host work), of the context class the last step

@@ -43,9 +43,11 @@ FAILURE_WAIT_S = 3.0
 """After a collective fails, how long to wait for the watcher to name a dead worker."""
 LEAVE_TIMEOUT_S = 10.0
 """How long rank 0 waits, at a shutdown, for the ranks to tear their process groups down
-together, before it aborts them instead. Open: on 2x H200 (2026-11-27, 8ca5f19) NCCL's teardown
-did not return within 30 s even with both ranks in it, after a 70B bench and after a served
-request; the abort bounds the shutdown, the cause is not known yet."""
+together, before it aborts them instead. On 2x H200 (2026-11-27, 8ca5f19) NCCL's teardown did
+not return within 30 s with both ranks in it: the decode graphs, which capture the output head's
+NCCL gather, were still alive, and NCCL's teardown waits until every graph holding one of its
+collectives is destroyed; they are destroyed first since (`TensorParallel.before_leaving`), not
+yet re-run on GPUs. The bound stays for what else may hold a teardown."""
 
 _active: weakref.WeakSet = weakref.WeakSet()  # the running TensorParallel of this process (at most one)
 
@@ -110,9 +112,16 @@ class TensorParallel:
             if failure is not None:
                 raise WorkerError(failure) from e
             raise
-        self._finalizer = weakref.finalize(self, _stop, self.tp, self.workers, graceful=True)
+        self._before_leaving: list[Callable[[], None]] = []
+        self._finalizer = weakref.finalize(self, _stop, self.tp, self.workers, graceful=True,
+                                           before_leaving=self._before_leaving)
         _active.add(self)
         logger.info("tensor parallelism over %d ranks; all-reduce: %s", size, self.tp.all_reduce_name)
+
+    def before_leaving(self, release: Callable[[], None]) -> None:
+        """Call `release()` at the shutdown, before the process groups are left: the CUDA graphs
+        that captured NCCL collectives must be destroyed first (`DecodeGraphs.release`)."""
+        self._before_leaving.append(release)
 
     @property
     def worker_pids(self) -> dict[int, int]:
@@ -143,7 +152,7 @@ class TensorParallel:
                 self.dead = failure or f"the tensor-parallel engine stopped after {type(e).__name__}: {e}".strip()
                 self._finalizer.detach()
                 _active.discard(self)
-                _stop(self.tp, self.workers, graceful=False)
+                _stop(self.tp, self.workers, graceful=False, before_leaving=self._before_leaving)
             if failure is not None and not isinstance(e, WorkerError):
                 raise WorkerError(failure) from e
             if failure is None and isinstance(e, RuntimeError) and "timed out" in str(e).lower():
@@ -179,10 +188,13 @@ def _abort(joined: list[TPGroup]) -> None:
         abort_collectives(tp)
 
 
-def _stop(tp: TPGroup, workers: WorkerProcesses | None, *, graceful: bool) -> None:
+def _stop(tp: TPGroup, workers: WorkerProcesses | None, *, graceful: bool,
+          before_leaving: list[Callable[[], None]] | None = None) -> None:
     """Stop the group: tell the workers to leave and leave the process groups with them
     (graceful), reap the workers; else (or when leaving takes more than LEAVE_TIMEOUT_S) kill
-    them and abort the groups. A finalizer: it holds no engine object.
+    them and abort the groups. `before_leaving` runs first either way (the CUDA graphs holding
+    NCCL collectives destroyed: NCCL's teardown waits for them). A finalizer: it holds no
+    engine object.
 
     Rank 0 leaves before it reaps: NCCL's communicator teardown (`destroy_process_group`)
     returns on a rank only once every rank of the communicator has called it, so a worker
@@ -195,19 +207,27 @@ def _stop(tp: TPGroup, workers: WorkerProcesses | None, *, graceful: bool) -> No
         except Exception:  # noqa: BLE001 - a worker gone already: reaped below
             graceful = False
     if graceful:
-        graceful = _within(LEAVE_TIMEOUT_S, leave, tp)
+        graceful = _within(LEAVE_TIMEOUT_S, _leave_after, before_leaving, tp)
     if workers is not None:
         workers.close(CLOSE_GRACE_S if graceful else 0.0)
     if not graceful:
-        _within(LEAVE_TIMEOUT_S, functools.partial(leave, tp, abort=True))
+        _within(LEAVE_TIMEOUT_S, _leave_after, before_leaving, tp, abort=True)
 
 
-def _within(seconds: float, fn: Callable, *args) -> bool:
-    """Run fn(*args) on a daemon thread; whether it returned within `seconds` (a teardown stuck
-    in NCCL then stays behind on its thread, which does not keep the process from exiting)."""
+def _leave_after(before_leaving: list[Callable[[], None]] | None, tp: TPGroup, *, abort: bool = False) -> None:
+    """Run the `before_leaving` callables (once: each is dropped as it runs), then `leave`."""
+    while before_leaving:
+        before_leaving.pop()()
+    leave(tp, abort=abort)
+
+
+def _within(seconds: float, fn: Callable, *args, **kwargs) -> bool:
+    """Run fn(*args, **kwargs) on a daemon thread; whether it returned within `seconds` (a
+    teardown stuck in NCCL then stays behind on its thread, which does not keep the process
+    from exiting)."""
     def run() -> None:
         try:
-            fn(*args)
+            fn(*args, **kwargs)
         except Exception:  # noqa: BLE001 - tearing down: the error that matters is raised elsewhere
             logger.debug("leaving the process groups failed", exc_info=True)
 
@@ -240,4 +260,6 @@ def run_worker(rank: int, channel, rendezvous: Rendezvous, config: EngineConfig,
         getattr(runner, method)(*args)
     # An error above is reported to rank 0 by the caller (`WorkerProcesses`), which ends this
     # process without tearing the groups down: that could wait on collectives that never end.
+    if runner.graphs is not None:
+        runner.graphs.release()  # before leaving: NCCL's teardown waits for graphs holding its collectives
     leave(tp)

@@ -73,6 +73,8 @@ class LLMEngine:
             parallel = {} if self.parallel is None else dict(tp=self.parallel.tp, send=self.parallel.send,
                                                             alive=self.parallel.check)
             self.runner = ModelRunner(config, loaded, backend, device, **parallel)
+            if self.parallel is not None and self.runner.graphs is not None:
+                self.parallel.before_leaving(self.runner.graphs.release)
         self.tokenizer = loaded.tokenizer
         self.spec = loaded.spec
         self.max_model_len = self.spec.max_model_len

@@ -148,8 +148,9 @@ class _Recorded:
 
 @pytest.mark.parametrize("hangs", [False, True])
 def test_shutdown_leaves_with_the_workers_before_reaping_them(monkeypatch, hangs):
-    # NCCL's teardown returns only once every rank has called it: rank 0 must leave while its
-    # workers do, not after killing them; a teardown that hangs anyway is aborted, bounded.
+    # NCCL's teardown returns only once every rank has called it and every CUDA graph holding
+    # its collectives is destroyed: rank 0 releases its graphs, then leaves while its workers
+    # do, not after killing them; a teardown that hangs anyway is aborted, bounded.
     from pagedattn.engine import distributed
 
     calls = []
@@ -162,9 +163,10 @@ def test_shutdown_leaves_with_the_workers_before_reaping_them(monkeypatch, hangs
     monkeypatch.setattr(distributed, "leave", leave)
     monkeypatch.setattr(distributed, "LEAVE_TIMEOUT_S", 0.2)
     start = time.monotonic()
-    distributed._stop(_Recorded(calls), _Recorded(calls), graceful=True)
+    release = [lambda: calls.append(("release graphs",))]  # runs once, before the first leave
+    distributed._stop(_Recorded(calls), _Recorded(calls), graceful=True, before_leaving=release)
     assert time.monotonic() - start < 3
     if hangs:
-        assert calls == [("send", None), ("leave", False), ("close", 0.0), ("leave", True)]
+        assert calls == [("send", None), ("release graphs",), ("leave", False), ("close", 0.0), ("leave", True)]
     else:
-        assert calls == [("send", None), ("leave", False), ("close", distributed.CLOSE_GRACE_S)]
+        assert calls == [("send", None), ("release graphs",), ("leave", False), ("close", distributed.CLOSE_GRACE_S)]
