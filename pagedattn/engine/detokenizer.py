@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded before the output, so the first word keeps its space
@@ -45,6 +46,13 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
+
+    def fork(self) -> IncrementalDetokenizer:
+        """A copy that goes on alone (a forked sequence's), sharing the tokenizer and decoder: a
+        deep copy would copy the tokenizer too (its whole vocabulary)."""
+        child = copy.copy(self)
+        child.ids = list(self.ids)
+        return child
 
     def add(self, token_id: int) -> str:
         """Append a token; returns the text it completes (possibly empty)."""
