@@ -29,7 +29,7 @@ from collections.abc import Iterator
 
 import torch
 
-from pagedattn.engine.detokenizer import IncrementalDetokenizer
+from pagedattn.engine.detokenizer import Decoder, IncrementalDetokenizer
 from pagedattn.engine.grammar import GrammarError, Grammars
 from pagedattn.engine.sampling_params import SamplingParams
 from pagedattn.engine.sequence import EncoderFeatures, Sequence, SequenceGroup, SeqStatus
@@ -67,6 +67,7 @@ class InputProcessor:
         self.decoder_start_token_id = decoder_start_token_id
         self.max_num_batched_tokens = max_num_batched_tokens
         self.tokenizer = tokenizer
+        self._decoder = Decoder(tokenizer) if tokenizer is not None else None  # shared by the detokenizers
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -118,7 +119,7 @@ class InputProcessor:
         group.generators = self._generators(params)
         seq.generator = group.generators[0]
         if self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids)
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, self._decoder)
         return group
 
     def _split(self, prompt) -> tuple[object, object, str | None]:

@@ -77,7 +77,7 @@ class LaunchedStep:
             for s in range(max(1, len(self._draws))):  # a step of beams only draws nothing
                 tokens, logprobs, top = [], [], None
                 if pairs is not None:
-                    tokens, logprobs = [int(t) for t in pairs[2 * s].tolist()], pairs[2 * s + 1].tolist()
+                    tokens, logprobs = pairs[2 * s].long().tolist(), pairs[2 * s + 1].tolist()
                 if self._logprob_rows:
                     top = self._top(tokens, host[1 + 4 * s : 5 + 4 * s], spans)
                 self._results.append(StepResult(

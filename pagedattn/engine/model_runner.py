@@ -41,7 +41,6 @@ eagerly: the graph states' metadata carry no cross tables.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -263,27 +262,40 @@ class ModelRunner:
                 prompt: PromptPlan | None = None) -> LaunchedStep:
         """logits: float32 [S, V], row j for the j-th chunk that is sampled. pending: int64
         [len(chunks)], each chunk's last token where the host lacks it (one draw per chunk)."""
-        sampled = [i for i, c in enumerate(chunks) if c.sample]  # chunk of each logits row
-        rows = [c.sampling_rows() for c in chunks]
-        flat = [r for chunk_rows in rows for r in chunk_rows]
+        # One pass over the chunks (every step, every sequence): each one's draws and where they lie.
+        flat = []  # (params, generator) of each draw
+        index = []  # logits row of each draw
+        row_seqs = []  # the sequence of each draw
+        beams = []  # (logits row, chunk) of each beam
+        bounds = [0]  # chunk i's draws are flat[bounds[i]:bounds[i + 1]]
+        row_of = {}  # id(sequence) -> its draw, for chunks that draw one token
+        j = 0  # logits row of the next sampled chunk
+        for i, c in enumerate(chunks):
+            rows = c.sampling_rows()
+            if rows:
+                flat += rows
+                index += [j] * len(rows)
+                row_seqs += [c.seq] * len(rows)
+                if len(rows) == 1:
+                    row_of[id(c.seq)] = bounds[-1]
+            if c.sample:
+                if not rows and c.group.is_beam:  # asked only of a sampled chunk that draws nothing
+                    beams.append((j, i))
+                j += 1
+            bounds.append(len(flat))
         draws, batch = [], None
         if flat:
-            index = [j for j, i in enumerate(sampled) for _ in rows[i]]  # logits row of each draw
             assert pending is None or len(flat) == len(chunks), "carried steps draw one token per chunk"
-            row_seqs = [chunks[i].seq for i in sampled for _ in rows[i]]
             batch = SamplingBatch.build(flat, self.spec.vocab_size, self.device, seqs=row_seqs, pending=pending,
                                         eos_token_ids=self.eos_token_ids)
             draw_logits = logits  # beams draw no row and forks several from one: keep `logits` for beams
             if index != list(range(logits.shape[0])):
                 draw_logits = logits.index_select(0, self._device_ints(index))
             draws = [self.sampler.sample(draw_logits, batch)]
-        beams = [(j, i) for j, i in enumerate(sampled) if chunks[i].group.is_beam]
         beam_logprobs = {}
         if beams:
             full = torch.log_softmax(logits.index_select(0, self._device_ints([j for j, _ in beams])), dim=-1)
             beam_logprobs = {i: row for (_, i), row in zip(beams, full)}
-        bounds = [0, *itertools.accumulate(len(r) for r in rows)]
-        row_of = {id(c.seq): bounds[i] for i, c in enumerate(chunks) if len(rows[i]) == 1}
         return LaunchedStep(draws=draws, batch=batch, bounds=bounds, beam_logprobs=beam_logprobs, row_of=row_of,
                             prompt=prompt, alive=self._alive)
 

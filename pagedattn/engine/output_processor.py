@@ -23,7 +23,7 @@ from pagedattn.engine.block_manager import BlockManager
 from pagedattn.engine.launched_step import StepResult
 from pagedattn.engine.logprobs import TokenLogprobs
 from pagedattn.engine.outputs import CompletionOutput, RequestOutput
-from pagedattn.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from pagedattn.engine.scheduler import Scheduler, SchedulerOutput
 from pagedattn.engine.sequence import Sequence, SequenceGroup
 
 
@@ -56,15 +56,19 @@ class OutputProcessor:
         if not results:  # nothing ran (only swaps, preemptions or errors)
             return
         # Model step k computed each chunk's tokens up to seq_len + k (multi-step: a decode per step).
-        mark_computed = self.block_manager.mark_computed
+        # Runs for every chunk of every step: locals, one read of each chunk's fields.
+        mark_computed, apply = self.block_manager.mark_computed, self._apply
         for k, result in enumerate(results):
             prompt, top = result.prompt_logprobs, result.top_logprobs
             for i, (c, tokens, logprobs) in enumerate(zip(out.chunks, result.tokens, result.logprobs)):
-                if not c.seq.is_finished:
-                    mark_computed(c.seq, c.scheduled.seq_len + k)
-                    if prompt and i in prompt:
-                        c.group.prompt_logprobs += [t.to_dict(self._token_text) for t in prompt[i]]
-                    self._apply(c, tokens, logprobs, top[i] if top is not None else None)
+                seq = c.seq
+                if seq.is_finished:
+                    continue
+                mark_computed(seq, c.scheduled.seq_len + k)
+                if prompt and i in prompt:
+                    c.group.prompt_logprobs += [t.to_dict(self._token_text) for t in prompt[i]]
+                if tokens:
+                    apply(c.group, seq, tokens, logprobs, top[i] if top is not None else None)
         beams: dict[int, tuple[SequenceGroup, list[int]]] = {}
         for i in results[0].beam_logprobs:
             beams.setdefault(id(out.chunks[i].group), (out.chunks[i].group, []))[1].append(i)
@@ -72,14 +76,11 @@ class OutputProcessor:
             logprobs = torch.stack([results[0].beam_logprobs[i] for i in idx])
             self._beam_step(group, [out.chunks[i].seq for i in idx], logprobs)
 
-    def _apply(self, c: ScheduledChunk, tokens: list[int], logprobs: list[float],
+    def _apply(self, group: SequenceGroup, seq: Sequence, tokens: list[int], logprobs: list[float],
                top: list[TokenLogprobs | None] | None) -> None:
         """Append a chunk's draws: one token, or the `width` first tokens of a forking prompt."""
-        if not tokens:
-            return
-        group, seq = c.group, c.seq
-        targets = [seq]
         if group.needs_fork:  # the prompt's one sample becomes `width` sequences
+            targets = [seq]
             for k in range(1, len(tokens)):
                 child = seq.fork(next(self.seq_ids))
                 self.block_manager.fork(seq, child)
@@ -87,10 +88,17 @@ class OutputProcessor:
                 group.seqs.append(child)
                 targets.append(child)
             group.forked = True
-        for j, (s, t, lp) in enumerate(zip(targets, tokens, logprobs)):
-            entry = top[j] if top is not None and top[j] is not None else None
-            self._append_token(group, s, t, lp, entry.to_dict(self._token_text) if entry is not None else None)
+            for j, (s, t, lp) in enumerate(zip(targets, tokens, logprobs)):
+                self._append_token(group, s, t, lp, self._logprobs_dict(top, j))
+        else:  # one draw (a decode, or a prompt's last chunk)
+            self._append_token(group, seq, tokens[0], logprobs[0],
+                               self._logprobs_dict(top, 0) if top is not None else None)
         _first_token(group)
+
+    def _logprobs_dict(self, top: list[TokenLogprobs | None] | None, j: int) -> dict | None:
+        """Draw j's {token id: Logprob}, when its request asks for log-probabilities."""
+        entry = top[j] if top is not None else None
+        return entry.to_dict(self._token_text) if entry is not None else None
 
     def _append_token(self, group: SequenceGroup, seq: Sequence, token: int, logprob: float,
                       logprobs: dict | None) -> None:
@@ -172,14 +180,16 @@ class OutputProcessor:
     def outputs(self, groups: list[SequenceGroup]) -> list[RequestOutput]:
         """The `RequestOutput` of each group, stamping the finish time of those that finished."""
         now = time.perf_counter()
+        outputs = []
         for g in groups:
-            if g.is_finished and g.metrics.finished_time is None:
+            finished = g.is_finished  # asked once: it looks at every sequence of the group
+            if finished and g.metrics.finished_time is None:
                 g.metrics.finished_time = now
-        return [self._output(g) for g in groups]
+            outputs.append(self._output(g, finished))
+        return outputs
 
-    def _output(self, group: SequenceGroup) -> RequestOutput:
+    def _output(self, group: SequenceGroup, finished: bool) -> RequestOutput:
         params = group.params
-        finished = group.is_finished
         if group.error is not None:
             outputs = [CompletionOutput("", [], "error", 0.0) for _ in range(params.n)]
         elif params.use_beam_search:
@@ -197,18 +207,13 @@ class OutputProcessor:
                                  list(s.output_logprobs) if s.output_logprobs is not None else None, s.stop_reason)
                 for s in seqs
             ]
+        prompt_logprobs = group.prompt_logprobs
+        # In RequestOutput's field order, by position: keywords took twice as long to build (every
+        # request, every step).
         return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            outputs=outputs,
-            finished=finished,
-            metrics=group.metrics,
-            error=group.error,
-            encoder_prompt=group.encoder_prompt,
-            encoder_prompt_token_ids=group.encoder_prompt_token_ids,
-            prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None and group.error is None
-            else None,
+            group.request_id, group.prompt, group.prompt_token_ids, outputs, finished, group.metrics, group.error,
+            group.encoder_prompt, group.encoder_prompt_token_ids,
+            list(prompt_logprobs) if prompt_logprobs is not None and group.error is None else None,
         )
 
     def _decode(self, token_ids: list[int]) -> str:

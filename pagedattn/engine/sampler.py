@@ -74,26 +74,27 @@ class SamplingBatch:
         guided mask); needed when a row has any. pending: int64 [R] on the device, each row's
         last token when the host does not hold it yet (async scheduling: `seqs[i].token_ids`
         lacks it), else None; never with guided rows (a mask needs the token before it)."""
-        # One pass, plain attribute reads: this runs every step for every row.
-        temps, top_k, top_p, min_p, extra = [], [], [], [], []
+        # One pass, plain attribute reads: this runs every step for every row. Greedy rows keep
+        # the neutral options, so only the sampled rows are visited again.
+        sampled, extra = [], []
         for i, (p, _) in enumerate(rows):
-            if p.temperature < GREEDY_EPS:
-                temps.append(0.0)
-                top_k.append(vocab_size)
-                top_p.append(1.0)
-                min_p.append(0.0)
-            else:
-                temps.append(float(p.temperature))
-                top_k.append(vocab_size if p.top_k < 1 else min(p.top_k, vocab_size))
-                top_p.append(float(p.top_p))
-                min_p.append(float(p.min_p))
+            if p.temperature >= GREEDY_EPS:
+                sampled.append(i)
             if (p.logit_bias or p.min_tokens or p.logprobs is not None or p.presence_penalty
                     or p.frequency_penalty or p.repetition_penalty != 1.0 or p.guided_decoding is not None):
                 extra.append(i)
-        all_greedy = not any(temps)
+        n = len(rows)
+        temps, top_k, top_p, min_p = [0.0] * n, [vocab_size] * n, [1.0] * n, [0.0] * n
+        for i in sampled:
+            p = rows[i][0]
+            temps[i] = float(p.temperature)
+            top_k[i] = vocab_size if p.top_k < 1 else min(p.top_k, vocab_size)
+            top_p[i] = float(p.top_p)
+            min_p[i] = float(p.min_p)
+        all_greedy = not sampled
         batch = cls(temperatures=None, top_k=None, top_p=None, generators=[g for _, g in rows],
-                    all_greedy=all_greedy, any_top_k=any(k < vocab_size for k in top_k),
-                    any_top_p=any(p < 1.0 for p in top_p))
+                    all_greedy=all_greedy, any_top_k=any(top_k[i] < vocab_size for i in sampled),
+                    any_top_p=any(top_p[i] < 1.0 for i in sampled))
         if all_greedy and not extra:
             return batch
         stage = _Staging()

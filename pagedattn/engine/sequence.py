@@ -170,7 +170,7 @@ class Sequence:
         child._block_hashes = list(self._block_hashes)
         child.generator = None
         child.output_logprobs = list(self.output_logprobs) if self.output_logprobs is not None else None
-        child.detokenizer = copy.deepcopy(self.detokenizer) if self.detokenizer is not None else None
+        child.detokenizer = self.detokenizer.fork() if self.detokenizer is not None else None
         child.grammar = self.grammar.fork() if self.grammar is not None else None
         return child
 

@@ -3,6 +3,7 @@ returns (no space clean-up), transformers' `decode` otherwise; the same text eit
 
 from __future__ import annotations
 
+import copy
 import random
 
 from tiny_models import byte_tokenizer
@@ -38,3 +39,17 @@ def test_incremental_text_equals_the_whole_decode():
     detok = IncrementalDetokenizer(tok, prompt)
     text = "".join(detok.add(t) for t in out) + detok.flush()
     assert text == detok.text == tok.decode(out, skip_special_tokens=True)
+
+
+def test_a_fork_goes_on_as_a_deep_copy_would_and_shares_the_tokenizer():
+    tok = byte_tokenizer()
+    detok = IncrementalDetokenizer(tok, tok.encode("Hello"))
+    for t in tok.encode(" caf"):
+        detok.add(t)
+    child, copied = detok.fork(), copy.deepcopy(detok)
+    assert child.tokenizer is tok
+    rest = tok.encode("\u00e9 \u2603")
+    for t in rest:
+        assert child.add(t) == copied.add(t)
+    assert child.flush() == copied.flush() and child.text == copied.text
+    assert detok.text == tok.decode(tok.encode(" caf"), skip_special_tokens=True)  # the parent is untouched
