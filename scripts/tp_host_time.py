@@ -19,7 +19,7 @@ the CPU (each decode planned while the step before it runs).
 
 Every request runs through the timed steps (the pool holds them all), so `--prompt-len` is at most
 tiny-llama's 1,024-token context less the tokens generated (`--steps` and the prefill's steps; the
-script names the limit): `--batch 256 --prompt-len 940` times decodes over ~1k-token contexts.
+script names the limit): `--batch 256 --prompt-len 900` times decodes over ~1k-token contexts.
 
     python scripts/tp_host_time.py [--batch 64] [--steps 64] [--device cpu] [--sizes 1,2] [--prompt-len 32]
         [--parts] [--async-scheduling] [--json OUT]
