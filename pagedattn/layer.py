@@ -186,6 +186,10 @@ class Attention(nn.Module):
         self.k_scale = torch.ones((), dtype=torch.float32)  # 0-dim float32
         self.v_scale = torch.ones((), dtype=torch.float32)
         self.calibrating = {"k": True, "v": True}  # which scales the first FP8 prefill sets
+        self.scale_group = None
+        """A tensor-parallel group (`TPGroup`) whose ranks hold this layer's other heads, or
+        None: a calibrated scale is then the largest over its ranks, so that every rank
+        quantizes as one rank holding all the heads would (set by the model that splits it)."""
         self.set_kv_scales(k_scale, v_scale)
         self._id = next(_ids)
         _layers[self._id] = self
@@ -250,6 +254,8 @@ class Attention(nn.Module):
         for name, x, scale in (("k", key, self.k_scale), ("v", value, self.v_scale)):
             if self.calibrating[name]:
                 amax = x.abs().amax().float()
+                if self.scale_group is not None:
+                    amax = self.scale_group.all_reduce_max(amax)
                 scale.copy_((amax * (KV_SCALE_HEADROOM / fp8_max)).clamp_min(torch.finfo(torch.float32).tiny))
                 self.calibrating[name] = False
 

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedattn.layer import Attention
 from pagedattn.models.layers import (RotaryEmbedding, STACKED_PARAMS, HeadSplitAttention, apply_rope, float_logits,
                                      head_size_of, layer_sliding_windows, load_weights, rope_inv_freq)
 from pagedattn.parallel.group import TPGroup
@@ -47,11 +46,8 @@ class Gemma2Attention(HeadSplitAttention):
                  attention_backend: str, kv_cache_dtype: str, tp: TPGroup) -> None:
         bias = getattr(config, "attention_bias", False)
         super().__init__(config, tp, qkv_bias=bias, o_bias=bias)
-        self.attn = Attention(
-            self.num_heads,
-            self.head_size,
+        self.attn = self.make_attention(
             config.query_pre_attn_scalar**-0.5,
-            self.num_kv_heads,
             backend=attention_backend,
             layer_idx=layer_idx,
             sliding_window=sliding_window,

@@ -252,6 +252,15 @@ class HeadSplitAttention(nn.Module):
         self.num_heads, self.num_kv_heads = q.local // self.head_size, kv.local // self.head_size
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, (q, kv, kv), bias=qkv_bias)
         self.o_proj = RowParallelLinear(q, config.hidden_size, bias=o_bias, tp=tp)
+        self.tp = tp
+
+    def make_attention(self, scale: float, **kwargs) -> Attention:
+        """The family's `attn`: this rank's heads, with `Attention`'s other arguments; its FP8
+        scales calibrated over the group (`Attention.scale_group`)."""
+        attn = Attention(self.num_heads, self.head_size, scale, self.num_kv_heads, **kwargs)
+        if self.tp.size > 1:
+            attn.scale_group = self.tp
+        return attn
 
 
 class HeadNormAttention:

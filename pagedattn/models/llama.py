@@ -19,7 +19,6 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pagedattn.layer import Attention
 from pagedattn.models.layers import (RMSNorm, RotaryEmbedding, STACKED_PARAMS, HeadSplitAttention, apply_rope_,
                                      float_logits, head_size_of, layer_sliding_windows, load_weights,
                                      rope_attention_factor, rope_inv_freq, silu_and_mul)
@@ -46,11 +45,8 @@ class LlamaAttention(HeadSplitAttention):
         # gpt-oss: a learned sink logit per query head [Hq], which the attention reads at each call
         # (a model with sinks refuses tensor parallelism: `supports_tensor_parallel`)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if sinks else None
-        self.attn = Attention(
-            self.num_heads,
-            self.head_size,
+        self.attn = self.make_attention(
             self.head_size**-0.5,
-            self.num_kv_heads,
             backend=attention_backend,
             layer_idx=layer_idx,
             sliding_window=sliding_window,

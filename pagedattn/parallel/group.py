@@ -140,6 +140,13 @@ class TPGroup:
         _all_gather_single(out, x.contiguous(), group=self.device_group)
         return out.view(self.size, x.shape[0], x.shape[1]).transpose(0, 1).reshape(x.shape[0], -1)  # [N, size, C]
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """x's elementwise largest over the ranks, in place (the device group's collective);
+        returned."""
+        if self.size > 1:
+            torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.MAX, group=self.device_group)
+        return x
+
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's x into every rank's x (same shape and dtype), in place; returned."""
         if self.size > 1:

@@ -91,3 +91,21 @@ def test_gemma2_two_ranks_equal_one(tmp_path):
         tokens.append([o.outputs[0].token_ids for o in engine.generate(PROMPTS, [greedy] * len(PROMPTS))])
         engine.shutdown()
     assert tokens[1] == tokens[0]
+
+
+def test_fp8_kv_cache_two_ranks_equal_one(tiny_kv):
+    # Each rank holds some of a layer's KV heads; the FP8 scales calibrated at the first prefill
+    # are the max over the ranks, so every rank quantizes as one rank does and the tokens agree.
+    tiny = tiny_kv(2)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    runs = []
+    for size in (1, 2):
+        engine = _engine(tiny, size, kv_cache_dtype="fp8_e4m3")
+        tokens = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, [greedy] * len(PROMPTS))]
+        layers = [m for m in engine.runner.model.modules() if hasattr(m, "calibrating")]
+        runs.append((tokens, [(float(m.k_scale), float(m.v_scale)) for m in layers]))
+        engine.shutdown()
+    (one, one_scales), (two, two_scales) = runs
+    # equal up to float32 rounding: a later layer's input sums the ranks' partial outputs
+    assert [s for pair in two_scales for s in pair] == pytest.approx([s for pair in one_scales for s in pair], rel=1e-5)
+    assert two == one
