@@ -12,8 +12,9 @@ in its own process under its own time budget: a stage cut by its budget keeps wh
    with the graph's replay and the all-reduce's time; 256 requests of 128/128 tokens, output
    tokens/s, with where rank 0's steps went (waiting for the device, or host work) and at TP=2
    the worker's host time a step; 64 greedy requests (128 prompt tokens, 64 out, top-2
-   log-probabilities). After both: how many greedy requests agree and, where one does not, its
-   first differing token and the log-probability gaps there; the throughput ratio;
+   log-probabilities); the shutdown, timed, and whether a worker is left. After both: how many
+   greedy requests agree and, where one does not, its first differing token and the
+   log-probability gaps there; the throughput ratio;
 4. serve: `pagedattn serve --tensor-parallel-size 2` over a 2-layer checkpoint of the 8B shape,
    one completion through the openai client (httpx where it is missing, said so), then SIGINT:
    the server and its worker must be gone.
@@ -246,7 +247,13 @@ def stage_size(setup: Setup, report: Report, size: int) -> None:
         report.save("greedy", _greedy(setup, engine))
         report.line(f"TP={size}: {len(report.data['greedy'])} greedy requests done")
     finally:
-        engine.shutdown()
+        pids = list(engine.worker_pids.values())
+        start = time.perf_counter()
+        engine.shutdown()  # it hung on 2x H200 at eebda9e: timed, and whether a worker is left
+        took = time.perf_counter() - start
+        left = [pid for pid in pids if _alive(pid)]
+        report.save("shutdown", {"seconds": round(took, 2), "left": left})
+        report.line(f"TP={size}: shut down in {took:.1f} s; workers left: {left or 'none'}")
         Path(worker_stats).unlink(missing_ok=True)
 
 
