@@ -164,6 +164,9 @@ class DecodeGraphs:
         """float32 [pad_to, vocab] for a decode-only step padded to a captured size (`md.num_seqs`);
         rows past `ids.shape[0]` are the padding's."""
         pad_to = md.num_seqs
+        if not self._graphs:
+            raise RuntimeError("expected captured decode graphs, got none: they were released (`release`, at the "
+                               "engine's shutdown)")
         short = SHORT_CONTEXT in self.classes and md.max_decode_seq_len <= SHORT_CONTEXT
         if md.shared_prefix is not None:
             if (CASCADE, pad_to) not in self._graphs:

@@ -208,10 +208,14 @@ def _stop(tp: TPGroup, workers: WorkerProcesses | None, *, graceful: bool,
             graceful = False
     if graceful:
         graceful = _within(LEAVE_TIMEOUT_S, _leave_after, before_leaving, tp)
+        if not graceful:
+            logger.warning("tensor-parallel shutdown: leaving the process groups took over %.0f s; aborting them",
+                           LEAVE_TIMEOUT_S)
     if workers is not None:
         workers.close(CLOSE_GRACE_S if graceful else 0.0)
-    if not graceful:
-        _within(LEAVE_TIMEOUT_S, _leave_after, before_leaving, tp, abort=True)
+    if not graceful and not _within(LEAVE_TIMEOUT_S, _leave_after, before_leaving, tp, abort=True):
+        logger.warning("tensor-parallel shutdown: aborting the process groups took over %.0f s; left behind",
+                       LEAVE_TIMEOUT_S)
 
 
 def _leave_after(before_leaving: list[Callable[[], None]] | None, tp: TPGroup, *, abort: bool = False) -> None:
@@ -234,8 +238,6 @@ def _within(seconds: float, fn: Callable, *args, **kwargs) -> bool:
     thread = threading.Thread(target=run, name="pagedattn-tp-leave", daemon=True)
     thread.start()
     thread.join(seconds)
-    if thread.is_alive():
-        logger.warning("tensor-parallel shutdown: leaving the process groups took over %.0f s; aborting them", seconds)
     return not thread.is_alive()
 
 

@@ -258,8 +258,7 @@ class HeadSplitAttention(nn.Module):
         """The family's `attn`: this rank's heads, with `Attention`'s other arguments; its FP8
         scales calibrated over the group (`Attention.scale_group`)."""
         attn = Attention(self.num_heads, self.head_size, scale, self.num_kv_heads, **kwargs)
-        if self.tp.size > 1:
-            attn.scale_group = self.tp
+        attn.scale_group = self.tp  # one rank: its max is its own
         return attn
 
 
