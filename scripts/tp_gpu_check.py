@@ -122,9 +122,13 @@ def stage_all_reduce(setup: Setup, report: Report) -> None:
             raise RuntimeError(value["error"])
         report.line(f"all-reduce: the group picks {value['picked']}")
         for s in value["sizes"]:
-            one = f"{s['one_shot_us']:.1f} us (max |one-shot - NCCL| {s['max_diff']:g})" if s["one_shot_us"] else "-"
-            report.line(f"  [{s['rows']}, {s['hidden']}] {s['dtype']} ({s['bytes'] >> 10} KiB): {value['group']} "
-                        f"{s['group_us']:.1f} us, one-shot {one}; picked: {s['picked']}")
+            line = (f"  [{s['rows']}, {s['hidden']}] {s['dtype']} ({s['bytes'] >> 10} KiB): {value['group']} "
+                    f"{s['group_us']:.1f} us")
+            if "ours_us" in s:
+                line += (f", torch's one-shot {s['torch_us']:.1f}, ours {s['ours_us']:.1f} (max |ours - NCCL| "
+                         f"{s['max_diff']:g}, ranks equal {s['ranks_equal']}); +add+norm: then rms_norm "
+                         f"{s['ours_then_norm_us']:.1f}, fused {s['fused_us']:.1f} (equal {s['fused_equal']})")
+            report.line(line + f"; picked: {s['picked']}")
     finally:
         for p in procs:
             p.join(10)
@@ -140,7 +144,12 @@ def _all_reduce_rank(rank: int, rendezvous, device_type: str, results) -> None:
 
 
 def _time_all_reduces(rank: int, rendezvous, device_type: str) -> dict:
-    from pagedattn.parallel.all_reduce import OneShotAllReduce, one_shot_max_bytes
+    """Each size by NCCL, by PyTorch's one-shot kernel (torch.ops.symm_mem, what the group ran
+    before 2026-11-28), by ours (a buffer beyond the group's bound, to time it where NCCL takes
+    over), and ours with the residual add and RMSNorm fused against ours then `rms_norm`."""
+    from pagedattn.kernels.all_reduce import buffer_bytes, make_slots, one_shot_all_reduce
+    from pagedattn.kernels.fused_layers import rms_norm
+    from pagedattn.parallel.all_reduce import MAX_PROGRAMS, one_shot_max_bytes
     from pagedattn.parallel.group import join, leave, time_all_reduce
 
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
@@ -148,27 +157,56 @@ def _time_all_reduces(rank: int, rendezvous, device_type: str) -> dict:
         torch.cuda.set_device(device)
     tp = join(rendezvous, rank, device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    wide = None  # a one-shot beyond the group's bound, to time it where NCCL takes over
+    ours = theirs = None
     if tp.one_shot is not None:
         import torch.distributed._symmetric_memory as symm_mem
 
-        buffer = symm_mem.empty(8 << 20, dtype=torch.uint8, device=device)
-        symm_mem.rendezvous(buffer, tp.device_group.group_name)
-        wide = OneShotAllReduce(buffer, tp.device_group.group_name, 8 << 20)
+        wide = 8 << 20
+        programs = tp.one_shot.slots.programs
+        buffer = symm_mem.empty(buffer_bytes(programs, 2, wide), dtype=torch.uint8, device=device).zero_()
+        handle = symm_mem.rendezvous(buffer, tp.device_group.group_name)
+        slots = make_slots(list(handle.buffer_ptrs), rank, wide, programs, device)
+        torch.distributed.barrier()
+        ours = functools.partial(one_shot_all_reduce, slots=slots)
+        staging = symm_mem.empty(wide, dtype=torch.uint8, device=device)
+        symm_mem.rendezvous(staging, tp.device_group.group_name)
+
+        def theirs(x):
+            out = torch.empty_like(x)
+            torch.ops.symm_mem.one_shot_all_reduce_copy_out(staging.view(x.dtype)[: x.numel()].view_as(x), x, "sum",
+                                                             tp.device_group.group_name, out)
+            return out
     group = "NCCL" if device.type == "cuda" else "gloo"
     out = {"group": group, "picked": tp.all_reduce_name, "one_shot_max_bytes": one_shot_max_bytes(2), "sizes": [],
+           "max_programs": MAX_PROGRAMS,
            "env": {k: os.environ.get(k) for k in ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "NCCL_NVLS_ENABLE")}}
-    for rows in (64, 256, 1024):
-        x = torch.zeros(rows, 4096, dtype=dtype, device=device)
-        entry = {"rows": rows, "hidden": 4096, "dtype": str(dtype).removeprefix("torch."),
+    timed = functools.partial(time_all_reduce, tp, count=64, reps=20)
+    for rows, hidden in ((64, 4096), (256, 4096), (64, 8192), (128, 8192), (1024, 4096)):
+        x = torch.zeros(rows, hidden, dtype=dtype, device=device)
+        entry = {"rows": rows, "hidden": hidden, "dtype": str(dtype).removeprefix("torch."),
                  "bytes": x.numel() * x.element_size(),
                  "picked": "one-shot" if tp.one_shot is not None and tp.one_shot.fits(x) else group,
-                 "group_us": time_all_reduce(tp, x, count=64, reps=20, all_reduce=tp.group_all_reduce) * 1e6,
-                 "one_shot_us": None, "max_diff": None}
-        if wide is not None:
-            entry["one_shot_us"] = time_all_reduce(tp, x, count=64, reps=20, all_reduce=wide) * 1e6
-            v = torch.randn(rows, 4096, generator=torch.Generator(device).manual_seed(rank), device=device).to(dtype)
-            entry["max_diff"] = (wide(v).float() - tp.group_all_reduce(v.clone()).float()).abs().max().item()
+                 "group_us": timed(x, all_reduce=tp.group_all_reduce) * 1e6}
+        if ours is not None:
+            g = torch.Generator(device).manual_seed(rank)
+            v = torch.randn(rows, hidden, generator=g, device=device).to(dtype)
+            res = torch.randn(rows, hidden, generator=torch.Generator(device).manual_seed(7), device=device).to(dtype)
+            w = torch.ones(hidden, dtype=dtype, device=device)
+            ref = tp.group_all_reduce(v.clone()).float()
+            mine = ours(v)
+            both = torch.stack([mine, torch.empty_like(mine)])
+            torch.distributed.all_gather_into_tensor(both, mine)
+            fused_normed, fused_sum = ours(v, weight=w, eps=1e-5, residual=res)
+            want_normed, want_sum = rms_norm(mine, w, 1e-5, res)
+            entry.update(
+                torch_us=timed(x, all_reduce=theirs) * 1e6,
+                ours_us=timed(x, all_reduce=ours) * 1e6,
+                ours_then_norm_us=timed(x, all_reduce=lambda t: rms_norm(ours(t), w, 1e-5, res)) * 1e6,
+                fused_us=timed(x, all_reduce=lambda t: ours(t, weight=w, eps=1e-5, residual=res)) * 1e6,
+                max_diff=(mine.float() - ref).abs().max().item(),
+                torch_max_diff=(theirs(v).float() - ref).abs().max().item(),
+                ranks_equal=bool(torch.equal(both[0], both[1])),
+                fused_equal=bool(torch.equal(fused_sum, want_sum) and torch.equal(fused_normed, want_normed)))
         out["sizes"].append(entry)
     torch.distributed.barrier()
     leave(tp)

@@ -24,6 +24,16 @@ from ._common import FLOAT_DTYPES, check, check_tensor, next_pow2
 
 
 @triton.jit
+def rms_norm_row(h, w, n_cols, eps, dtype: tl.constexpr):
+    """One row's RMSNorm: h [BLOCK] in the model dtype (zero past n_cols), weight w -> the normed
+    row in `dtype`, rounded where PyTorch's `RMSNorm` rounds. `all_reduce` fuses it too."""
+    hf = h.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / n_cols + eps)
+    normed = (hf * inv).to(dtype)
+    return (normed.to(tl.float32) * w.to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
                      stride_x, stride_r, stride_o, stride_ro,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
@@ -35,12 +45,13 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n_cols + eps)
-    normed = (xf * inv).to(out_ptr.dtype.element_ty)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_o + cols,
-             (normed.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_o + cols, rms_norm_row(x, w, n_cols, eps, out_ptr.dtype.element_ty), mask=mask)
+
+
+def norm_warps(block: int) -> int:
+    """Warps of a program that owns one row of `block` (a power of two) columns."""
+    return min(16, max(1, block // 256))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -64,7 +75,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _rms_norm_kernel[(num_rows,)](
             x, res_in, weight, out, res_out, n, float(eps),
             x.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0),
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=norm_warps(block),
         )
     return out if residual is None else (out, res_out)
 

@@ -76,16 +76,25 @@ class RMSNorm(nn.Module):
 
     With `residual`, first adds it (the residual stream, in the model dtype) and returns the sum
     too, so a decoder layer's `h + delta` and the next norm are one step. On CUDA one Triton
-    kernel (`kernels.fused_layers.rms_norm`, same rounding) runs both."""
+    kernel (`kernels.fused_layers.rms_norm`, same rounding) runs both. With `partial_over` (a
+    tensor-parallel group), x is this rank's partial sum (a `RowParallelLinear(reduce=False)`):
+    summed first, in the same kernel as the add and the norm where the group's one-shot takes it
+    (`TPGroup.all_reduce_norm`)."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, *,
+                partial_over: TPGroup | None = None):
         """x (and residual): [T, hidden] -> normed [T, hidden], same dtype; with `residual`,
         (normed x + residual, x + residual)."""
+        if partial_over is not None and partial_over.size > 1:
+            fused = partial_over.all_reduce_norm(x, self.weight, self.eps, residual)
+            if fused is not None:
+                return fused
+            x = partial_over.all_reduce(x)
         if x.is_cuda:
             from pagedattn.kernels.fused_layers import rms_norm
 
@@ -243,7 +252,9 @@ class HeadSplitAttention(nn.Module):
     there are more ranks than them), the row-parallel `o_proj`, the `head_size`, and this rank's
     `q_size`/`kv_size` and `num_heads`/`num_kv_heads`. A family adds its `attn` and `forward`."""
 
-    def __init__(self, config, tp: TPGroup, *, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, config, tp: TPGroup, *, qkv_bias: bool, o_bias: bool, reduce: bool = True) -> None:
+        """reduce: whether o_proj sums its output over the ranks (False: the family's next norm
+        does, `RMSNorm(partial_over=...)`)."""
         super().__init__()
         self.head_size = head_size_of(config)
         q = Split.heads(config.num_attention_heads, self.head_size, tp, "num_attention_heads")
@@ -251,7 +262,7 @@ class HeadSplitAttention(nn.Module):
         self.q_size, self.kv_size = q.local, kv.local  # this rank's heads
         self.num_heads, self.num_kv_heads = q.local // self.head_size, kv.local // self.head_size
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, (q, kv, kv), bias=qkv_bias)
-        self.o_proj = RowParallelLinear(q, config.hidden_size, bias=o_bias, tp=tp)
+        self.o_proj = RowParallelLinear(q, config.hidden_size, bias=o_bias, tp=tp, reduce=reduce)
         self.tp = tp
 
     def make_attention(self, scale: float, **kwargs) -> Attention:

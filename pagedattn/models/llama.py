@@ -8,8 +8,10 @@ gate/up run as one stacked matmul each (`qkv_proj`, `gate_up_proj`). Families bu
 
 Tensor parallelism (`tp`, `pagedattn.parallel.layers`): q/k/v split by heads (KV heads
 replicated when there are more ranks than them), gate/up by intermediate columns, o_proj and
-down_proj row-parallel (one all-reduce each), the embedding and output head by vocabulary
-ranges. A rank's `Attention` sees its own head counts; the KV cache it is given holds those.
+down_proj row-parallel (one all-reduce each, summed by the norm after them: all-reduce, residual
+add and RMSNorm in one kernel where the one-shot takes the message), the embedding and output
+head by vocabulary ranges. A rank's `Attention` sees its own head counts; the KV cache it is
+given holds those.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class LlamaAttention(HeadSplitAttention):
         tp: TPGroup,
         sinks: bool = False,
     ) -> None:
-        super().__init__(config, tp, qkv_bias=qkv_bias, o_bias=o_bias)
+        super().__init__(config, tp, qkv_bias=qkv_bias, o_bias=o_bias, reduce=False)  # the next norm sums
         # gpt-oss: a learned sink logit per query head [Hq], which the attention reads at each call
         # (a model with sinks refuses tensor parallelism: `supports_tensor_parallel`)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if sinks else None
@@ -70,7 +72,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         columns = Split.even(intermediate_size, tp, "intermediate_size")
         self.gate_up_proj = ColumnParallelLinear(hidden_size, (columns, columns), bias=bias)
-        self.down_proj = RowParallelLinear(columns, hidden_size, bias=bias, tp=tp)
+        self.down_proj = RowParallelLinear(columns, hidden_size, bias=bias, tp=tp, reduce=False)  # the next norm sums
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -80,8 +82,11 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, sliding_window: int | None, *,
                  attention_cls: type[LlamaAttention] = LlamaAttention, mlp_cls: type[nn.Module] | None = None,
                  **attn_kwargs) -> None:
-        """mlp_cls: a family's own MLP, built from the config (None: Llama's, split over `tp`)."""
+        """mlp_cls: a family's own MLP, built from the config (None: Llama's, split over `tp`);
+        under tensor parallelism it returns its partial sum, as the attention does (the norms
+        after them sum over `tp`)."""
         super().__init__()
+        self.tp = attn_kwargs["tp"]
         self.self_attn = attention_cls(config, layer_idx, sliding_window, **attn_kwargs)
         self.mlp = mlp_cls(config) if mlp_cls is not None else LlamaMLP(
             config.hidden_size, config.intermediate_size, bias=getattr(config, "mlp_bias", False), tp=attn_kwargs["tp"]
@@ -96,8 +101,8 @@ class LlamaDecoderLayer(nn.Module):
         if residual is None:
             x, residual = self.input_layernorm(delta), delta
         else:
-            x, residual = self.input_layernorm(delta, residual)
-        x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin), residual)
+            x, residual = self.input_layernorm(delta, residual, partial_over=self.tp)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin), residual, partial_over=self.tp)
         return self.mlp(x), residual
 
 
@@ -114,6 +119,7 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tp = attn_kwargs["tp"]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)  # [T, hidden]
@@ -121,7 +127,7 @@ class LlamaModel(nn.Module):
         residual = None
         for layer in self.layers:
             h, residual = layer(h, residual, cos, sin)
-        return self.norm(h) if residual is None else self.norm(h, residual)[0]
+        return self.norm(h) if residual is None else self.norm(h, residual, partial_over=self.tp)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,57 +1,57 @@
 """The one-shot all-reduce of a tensor-parallel group over symmetric memory: the small messages
-of decode steps; NCCL keeps everything else (and gloo everything on the CPU).
+of decode steps, with the residual add and RMSNorm after them fused in; NCCL keeps everything
+else (and gloo everything on the CPU).
 
 Why: a row-parallel layer sums its partial output [T, hidden] over the ranks twice a layer. At
 decode sizes that is latency, not bandwidth: NCCL's ring took 25.6 us for [64, 4096] bf16
 (512 KiB) inside a CUDA graph on two H200s, two a layer: 1.64 ms of a Llama-3-8B step (0.84x
-the step's floor per GPU). A one-shot all-reduce (vLLM's custom all-reduce; PyTorch's
-`torch.ops.symm_mem.one_shot_all_reduce_copy_out`, used here) is one kernel: each rank copies
-its input into a buffer that every rank has mapped (symmetric memory: CUDA virtual-memory
-handles exchanged once at start-up, read over NVLink/P2P), the ranks meet at a barrier of flags
-in that memory, each sums every rank's copy into its output, and a second barrier keeps the next
-call from overwriting a copy a peer still reads. No proxy thread, no second stream: it is
-captured in the decode CUDA graphs like any kernel, and consecutive calls may share the buffer.
-NVLink multicast (multimem instructions) is never used: the GPU machines run with it off
-(TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NCCL_NVLS_ENABLE=0), and the one-shot kernel needs only
-the peers' buffer pointers.
+the step's floor per GPU); PyTorch's one-shot kernel (`torch.ops.symm_mem`) 11.2 us, and 15.0 us
+at [64, 8192]. Ours (`pagedattn.kernels.all_reduce`, the protocol there) is one kernel over
+buffers every rank has mapped (symmetric memory: CUDA virtual-memory handles exchanged once at
+start-up, written over NVLink/P2P): each rank pushes its rows into its peers' buffers, the
+ranks meet at flags in that memory, and each sums the rows, adding the residual and
+normalising in the same pass when a norm follows (`OneShotAllReduce.norm`). No proxy thread,
+no second stream: it is captured in the decode CUDA graphs like any kernel. NVLink multicast
+(multimem instructions) is never used: the GPU machines run with it off
+(TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NCCL_NVLS_ENABLE=0).
 
-Which all-reduce runs: the one-shot where it applies (`OneShotAllReduce.fits`: bfloat16 or
-float32, the kernel's dtypes; contiguous, 16-byte aligned; at most `one_shot_max_bytes`),
-NCCL otherwise. `make_one_shot` builds it on every rank together at `join`, or says why not
-(`one_shot_unsupported`: not CUDA, ranks on several hosts, no P2P access between the GPUs, a
-torch without the op; or the buffer's allocation, rendezvous or a first checked sum failed on
-some rank); every rank then agrees, so all take the same path. Nothing here runs on the CPU.
+Which all-reduce runs: the one-shot where it applies (`OneShotAllReduce.fits`: a float dtype,
+contiguous, rows of at most 16k, at most `one_shot_max_bytes`), NCCL otherwise. `make_one_shot`
+builds it on every rank together at `join`, or says why not (`one_shot_unsupported`: not CUDA,
+ranks on several hosts, no P2P access between the GPUs, a torch without symmetric memory; or
+the buffer's allocation, rendezvous or a first checked sum failed on some rank); every rank
+then agrees, so all take the same path. Nothing here runs on the CPU.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from collections.abc import Callable
 
 import torch
 
+from pagedattn.device_profile import DeviceProfile
+from pagedattn.kernels.all_reduce import SymmetricSlots, buffer_bytes, fits, make_slots, one_shot_all_reduce
+
 logger = logging.getLogger(__name__)
 
 ONE_SHOT_PEER_BYTES = 2 << 20
-"""The most bytes one one-shot all-reduce reads from its peers: (size - 1) x the message.
-At 2 ranks both algorithms move the same bytes per rank (the one-shot reads the peer's copy, N;
-NCCL's ring receives N/2 in each of its two phases), so the one-shot's single kernel and barrier
-win wherever its grid (24 blocks of 512 threads in torch's kernel) keeps the link as busy as
-NCCL: the 2 MiB bound takes every decode step up to batch 256 at hidden 4096 (batch 128 at
-8192), where NCCL's latency dominates, and leaves prefill chunks (2048 tokens at hidden 4096:
-16 MiB) to NCCL's ring. vLLM runs its one-stage kernel at 2 GPUs up to 8 MiB; at 4 and 8 ranks it
-switches to two-stage above 512 and 256 KiB, since a one-shot then reads 3x and 7x the message:
-dividing this bound by (size - 1) gives 682 and 292 KiB there. `scripts/tp_gpu_check.py`
-times both algorithms at 0.5, 2 and 8 MiB to check the bound."""
-RELEASE_TIMEOUT_S = 30.0
-"""After a peer died, how long `OneShotAllReduce.release` keeps this rank's queued one-shot
-kernels passing their barriers before it gives up."""
-_RELEASE_SLOTS = 1024  # signal-pad flags kept released: the kernel's blocks (24 at most) x ranks
-_DTYPES = (torch.bfloat16, torch.float32)  # what torch's one-shot kernel is built for (no float16)
-_ALIGN = 16  # bytes: the kernel's vector width; the buffer and the input must agree on alignment
+"""The most bytes one one-shot all-reduce writes to its peers: (size - 1) x the message.
+At 2 ranks both algorithms move the same bytes per rank (the one-shot writes its copy to the
+peer, N; NCCL's ring sends N/2 in each of its two phases), so the one-shot's single kernel and
+barrier win wherever it keeps the link as busy as NCCL: the 2 MiB bound takes every decode step
+up to batch 256 at hidden 4096 (batch 128 at 8192), where NCCL's latency dominates, and leaves
+prefill chunks (2048 tokens at hidden 4096: 16 MiB) to NCCL's ring. vLLM runs its one-stage
+kernel at 2 GPUs up to 8 MiB; at 4 and 8 ranks it switches to two-stage above 512 and 256 KiB,
+since a one-shot then moves 3x and 7x the message: dividing this bound by (size - 1) gives 682
+and 292 KiB there. `scripts/tp_gpu_check.py` times the algorithms at 0.5 to 8 MiB to check
+the bound."""
+MAX_PROGRAMS = 64
+"""The one-shot kernel's grid at most (the SM count on smaller GPUs): one program a row of a
+[64, hidden] decode message, every row's writes in flight at once."""
+_ALIGN = 16  # bytes: messages and slots in whole 16-byte vectors
 
 
 def one_shot_max_bytes(size: int) -> int:
@@ -68,8 +68,8 @@ def one_shot_unsupported(device: torch.device, size: int, *, one_host: bool = Tr
         return "the ranks are on several hosts (symmetric memory maps GPUs of one host)"
     if torch.version.hip is not None:
         return "it needs CUDA's symmetric memory, got ROCm"
-    if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out"):
-        return f"torch {torch.__version__} has no torch.ops.symm_mem.one_shot_all_reduce_copy_out"
+    if not hasattr(torch.distributed, "_symmetric_memory"):
+        return f"torch {torch.__version__} has no symmetric memory"
     if torch.cuda.device_count() < size:
         return f"this process sees {torch.cuda.device_count()} GPUs, fewer than the {size} ranks"
     for a in range(size):
@@ -93,58 +93,44 @@ def _describe(max_bytes: int) -> str:
 
 
 class OneShotAllReduce:
-    """Sums a tensor over the group through `buffer` (uint8 [max_bytes], symmetric memory
-    rendezvoused over the group named `group_name`; `handle` the rendezvous' `_SymmetricMemory`):
-    `fits(x)`, then `x = one_shot(x)`."""
+    """Sums a tensor over the group through the ranks' mapped buffers (`slots`; `handle` the
+    symmetric-memory rendezvous that keeps them mapped): `fits(x)`, then `x = one_shot(x)`, or
+    `one_shot.norm(x, weight, eps, residual)` for the sum's residual add and RMSNorm at once."""
 
-    def __init__(self, buffer: torch.Tensor, group_name: str, max_bytes: int, handle=None) -> None:
-        self.buffer = buffer
-        self.group_name = group_name
-        self.max_bytes = max_bytes
+    def __init__(self, slots: SymmetricSlots, handle=None) -> None:
+        self.slots = slots
         self.handle = handle
+        self._side = None
+
+    @property
+    def max_bytes(self) -> int:
+        return self.slots.slot_bytes
 
     def fits(self, x: torch.Tensor) -> bool:
-        """Whether the one-shot kernel takes `x`: its dtype, contiguous and 16-byte aligned (start
-        and size, as the buffer's view is), at most `max_bytes`, on the buffer's device."""
-        nbytes = x.numel() * x.element_size()
-        return (x.dtype in _DTYPES and 0 < nbytes <= self.max_bytes and nbytes % _ALIGN == 0
-                and (x.storage_offset() * x.element_size()) % _ALIGN == 0 and x.is_contiguous()
-                and x.device == self.buffer.device)
+        """Whether the kernel takes `x`: a float dtype, contiguous, rows (the last dimension) of
+        at most 16k, at most `max_bytes`, on the group's device."""
+        return fits(x, self.slots)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (any shape that `fits`) summed over the ranks, in a new tensor; x is left as it was.
         No allocation but the output's (from the graph's pool inside a capture), no host wait."""
-        staging = self.buffer.view(x.dtype)[: x.numel()].view_as(x)  # the kernel copies x here first
-        out = torch.empty_like(x)
-        torch.ops.symm_mem.one_shot_all_reduce_copy_out(staging, x, "sum", self.group_name, out)
-        return out
+        return one_shot_all_reduce(x, self.slots)
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+        """RMSNorm (`weight`, `eps`) of x summed over the ranks [plus `residual`], as
+        `fused_layers.rms_norm` returns it: normed, or (normed, sum + residual)."""
+        return one_shot_all_reduce(x, self.slots, weight=weight, eps=eps, residual=residual)
 
     def release(self) -> None:
-        """A peer died: let this rank's queued one-shot kernels finish (their sums garbage), as
-        aborting NCCL lets its kernels return. Each barrier spins until every peer's flag
-        arrives, which a dead peer never sends; a daemon thread keeps this rank's flags raised
-        and the peers' cleared (on a stream of its own, beside the spinning kernel's at most 24
-        blocks) until the device's default stream has drained, or RELEASE_TIMEOUT_S. Without it
-        that stream would never drain, and freeing the buffer (which synchronises the device)
-        would hang the process. Any thread may call it."""
-        if self.handle is not None:
-            threading.Thread(target=self._release, name="pagedattn-one-shot-release", daemon=True).start()
-
-    def _release(self) -> None:
-        device = self.buffer.device
-        slots = min(self.handle.signal_pad_size // 4, _RELEASE_SLOTS)
+        """A peer died: every wait of this rank's queued and future one-shot kernels passes
+        (their sums garbage), as aborting NCCL lets its kernels return. Without it the device
+        stream would never drain, and freeing the buffer (which synchronises the device) would
+        hang the process. Any thread may call it; it does not wait."""
+        device = self.slots.abort.device
         with torch.cuda.device(device):
-            pads = [self.handle.get_signal_pad(r, [slots], torch.int32) for r in range(self.handle.world_size)]
-            mine = pads.pop(self.handle.rank)
-            side, queued = torch.cuda.Stream(device), torch.cuda.default_stream(device)
-            deadline = time.monotonic() + RELEASE_TIMEOUT_S
-            while not queued.query() and time.monotonic() < deadline:
-                with torch.cuda.stream(side):
-                    mine.fill_(1)  # every wait of this rank's barriers passes
-                    for pad in pads:
-                        pad.fill_(0)  # every flag this rank puts to a peer finds its slot free
-                side.synchronize()
-                time.sleep(0.001)
+            self._side = self._side or torch.cuda.Stream(device)  # beside the kernel that spins
+            with torch.cuda.stream(self._side):
+                self.slots.abort.fill_(1)
 
 
 def make_one_shot(device_group, device: torch.device, size: int, *, one_host: bool,
@@ -161,8 +147,10 @@ def make_one_shot(device_group, device: torch.device, size: int, *, one_host: bo
     max_bytes = one_shot_max_bytes(size)
     one_shot = buffer = None
     if why is None:
+        programs = min(MAX_PROGRAMS, DeviceProfile.of(device).num_sms)
         try:
-            buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+            buffer = symm_mem.empty(buffer_bytes(programs, size, max_bytes), dtype=torch.uint8, device=device)
+            buffer.zero_()  # the flags start at zero on every rank before any rank's first call
         except Exception as e:  # noqa: BLE001 - any failure means NCCL; the reason is reported
             why = f"symmetric memory could not be allocated ({type(e).__name__}: {e})"
     agree = functools.partial(_agree, device_group=device_group, device=device, alive=alive)
@@ -170,7 +158,8 @@ def make_one_shot(device_group, device: torch.device, size: int, *, one_host: bo
     if why is None:
         try:
             handle = symm_mem.rendezvous(buffer, device_group.group_name)
-            one_shot = OneShotAllReduce(buffer, device_group.group_name, max_bytes, handle)
+            slots = make_slots(list(handle.buffer_ptrs), handle.rank, max_bytes, programs, device)
+            one_shot = OneShotAllReduce(slots, handle)
         except Exception as e:  # noqa: BLE001
             why = f"the symmetric-memory rendezvous failed ({type(e).__name__}: {e})"
     why = agree(why, "failed the symmetric-memory rendezvous")
@@ -186,7 +175,7 @@ def make_one_shot(device_group, device: torch.device, size: int, *, one_host: bo
 def _check(one_shot: OneShotAllReduce, device: torch.device, rank: int, size: int) -> str | None:
     """Why a first one-shot sum of known values (rank r adds r + 1, eagerly) is wrong, or None: a
     mapping that reads the wrong memory shows here, not as wrong tokens."""
-    x = torch.full((one_shot.max_bytes // 4,), float(rank + 1), dtype=torch.float32, device=device)
+    x = torch.full((one_shot.max_bytes // 4096, 1024), float(rank + 1), dtype=torch.float32, device=device)
     try:
         got = one_shot(x)
     except Exception as e:  # noqa: BLE001

@@ -126,6 +126,15 @@ class TPGroup:
             return self.one_shot(x)
         return self.group_all_reduce(x)
 
+    def all_reduce_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                        residual: torch.Tensor | None = None):
+        """RMSNorm of x summed over the ranks [plus `residual`] in one kernel, as
+        `kernels.fused_layers.rms_norm` returns it (normed, or (normed, sum + residual)), where
+        the one-shot takes x; None otherwise (the caller all-reduces, then normalises)."""
+        if self.size > 1 and self.one_shot is not None and self.one_shot.fits(x):
+            return self.one_shot.norm(x, weight, eps, residual)
+        return None
+
     def group_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the ranks by the device group's own collective (NCCL, or gloo on the
         CPU), in place; returned. `all_reduce` picks it for what the one-shot does not take."""

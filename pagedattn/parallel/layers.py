@@ -5,7 +5,9 @@
   split on its own (`Split`). No communication: the output stays split.
 - `RowParallelLinear`: each rank holds its columns of the input (o_proj by heads, down_proj by
   intermediate columns), computes a partial sum and all-reduces it: one all-reduce per layer.
-  The bias is rank 0's alone, so the sum counts it once.
+  The bias is rank 0's alone, so the sum counts it once. Built with `reduce=False` it returns
+  the partial sum, for a next layer that sums it itself (`RMSNorm(partial_over=...)`: the
+  all-reduce, the residual add and the norm in one kernel).
 - `VocabParallelEmbedding`: each rank holds a contiguous range of the vocabulary (the last
   ones padded with zero rows to the same size); rows outside a rank's range embed to zero and
   an all-reduce assembles the embeddings.
@@ -133,13 +135,15 @@ class ColumnParallelLinear(nn.Linear):
 class RowParallelLinear(nn.Linear):
     """y = x W^T + b with W's input columns split over the ranks (`split` of `in_features`):
     x holds this rank's columns (a column-parallel layer's output), the partial products are
-    all-reduced. Only rank 0 holds the bias (zeros elsewhere), so the sum adds it once."""
+    all-reduced (`reduce=False`: returned unsummed, the caller sums them). Only rank 0 holds the
+    bias (zeros elsewhere), so the sum adds it once."""
 
-    def __init__(self, split: Split | int, out_features: int, bias: bool, tp: TPGroup = SINGLE) -> None:
+    def __init__(self, split: Split | int, out_features: int, bias: bool, tp: TPGroup = SINGLE, *,
+                 reduce: bool = True) -> None:
         self.split = Split.whole(split) if isinstance(split, int) else split
         super().__init__(self.split.local, out_features, bias=bias)
         self.rank = tp.rank
-        self.collective = tp.all_reduce if tp.size > 1 else None
+        self.collective = tp.all_reduce if tp.size > 1 and reduce else None
         if self.bias is not None and tp.rank != 0:
             with torch.no_grad():
                 self.bias.zero_()

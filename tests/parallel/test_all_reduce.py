@@ -13,6 +13,8 @@ import sys
 import pytest
 import torch
 
+from pagedattn.kernels.all_reduce import make_slots
+from pagedattn.models.layers import RMSNorm
 from pagedattn.parallel.all_reduce import (ONE_SHOT_PEER_BYTES, OneShotAllReduce, one_shot_max_bytes,
                                            one_shot_unsupported, planned)
 from pagedattn.parallel.group import Rendezvous, time_all_reduce
@@ -26,7 +28,7 @@ class _GlooOneShot(OneShotAllReduce):
     """The one-shot's routing and contract (a new tensor, x untouched) over gloo, counting calls."""
 
     def __init__(self) -> None:
-        super().__init__(torch.empty(MAX_BYTES, dtype=torch.uint8), "stand-in", MAX_BYTES)
+        super().__init__(make_slots([0, 0], 0, MAX_BYTES, 1, torch.device("cpu")))
         self.calls = 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -34,6 +36,11 @@ class _GlooOneShot(OneShotAllReduce):
         out = x.clone()
         torch.distributed.all_reduce(out)
         return out
+
+    def norm(self, x, weight, eps, residual=None):
+        h = self(x) if residual is None else self(x) + residual
+        normed = weight * torch.nn.functional.rms_norm(h.float(), (h.shape[-1],), eps=eps).to(h.dtype)
+        return normed if residual is None else (normed, h)
 
 
 def _route(tp) -> dict:
@@ -45,8 +52,7 @@ def _route(tp) -> dict:
         "bound float32": torch.full((256,), tp.rank + 1.0),  # 1024 B: at the bound
         "too big": torch.full((257,), tp.rank + 1.0),
         "float16": torch.full((8,), tp.rank + 1.0, dtype=torch.float16),
-        "misaligned view": torch.full((40,), tp.rank + 1.0)[1:33],  # 128 B from byte 4
-        "odd size": torch.full((3,), tp.rank + 1.0),  # 12 B: not a whole vector
+        "integers": torch.full((8,), tp.rank + 1, dtype=torch.int32),
     }
     out = {}
     for name, x in cases.items():
@@ -54,7 +60,14 @@ def _route(tp) -> dict:
         y = group.all_reduce(x)
         took = one_shot.calls > calls
         out[name] = (took, bool((y == 3).all()), bool((x == before).all()) if took else y is x)
-    return {"cases": out, "name": tp.all_reduce_name, "one_shot": tp.one_shot is None,
+    norms = {}
+    for name, rows in (("norm in the one-shot", 2), ("norm after NCCL", 8)):  # 2 x 64 float32 fits, 8 x 64 not
+        norm = RMSNorm(64, 1e-6)
+        x, residual = torch.full((rows, 64), tp.rank + 1.0), torch.ones(rows, 64)
+        calls = one_shot.calls
+        normed, summed = norm(x, residual, partial_over=group)
+        norms[name] = (one_shot.calls > calls, bool((summed == 4).all()), bool(torch.allclose(normed, norm(summed))))
+    return {"cases": out, "norms": norms, "name": tp.all_reduce_name, "one_shot": tp.one_shot is None,
             "timed": time_all_reduce(group, torch.zeros(8), count=2, reps=3, all_reduce=group.group_all_reduce)}
 
 
@@ -63,10 +76,11 @@ def test_a_cpu_group_runs_gloo_and_routes_by_what_the_one_shot_takes():
         assert result["name"] == "gloo" and result["one_shot"]
         assert result["timed"] > 0
         cases = result["cases"]
-        for name in ("small bf16", "bound float32"):
+        for name in ("small bf16", "bound float32", "float16"):
             assert cases[name] == (True, True, True), name  # the one-shot: a new tensor, x untouched
-        for name in ("too big", "float16", "misaligned view", "odd size"):
+        for name in ("too big", "integers"):
             assert cases[name] == (False, True, True), name  # the group's collective, in place
+        assert result["norms"] == {"norm in the one-shot": (True, True, True), "norm after NCCL": (False, True, True)}
 
 
 def _make(tp, unsupported_on: int | None):
