@@ -97,9 +97,10 @@ class OneShotAllReduce:
     symmetric-memory rendezvous that keeps them mapped): `fits(x)`, then `x = one_shot(x)`, or
     `one_shot.norm(x, weight, eps, residual)` for the sum's residual add and RMSNorm at once."""
 
-    def __init__(self, slots: SymmetricSlots, handle=None) -> None:
+    def __init__(self, slots: SymmetricSlots, handle=None, buffer: torch.Tensor | None = None) -> None:
         self.slots = slots
         self.handle = handle
+        self.buffer = buffer  # the symmetric allocation: kept while the kernel may write into it
         self._side = None
 
     @property
@@ -159,7 +160,7 @@ def make_one_shot(device_group, device: torch.device, size: int, *, one_host: bo
         try:
             handle = symm_mem.rendezvous(buffer, device_group.group_name)
             slots = make_slots(list(handle.buffer_ptrs), handle.rank, max_bytes, programs, device)
-            one_shot = OneShotAllReduce(slots, handle)
+            one_shot = OneShotAllReduce(slots, handle, buffer)
         except Exception as e:  # noqa: BLE001
             why = f"the symmetric-memory rendezvous failed ({type(e).__name__}: {e})"
     why = agree(why, "failed the symmetric-memory rendezvous")
