@@ -202,6 +202,8 @@ def _stop(tp: TPGroup, workers: WorkerProcesses | None, *, graceful: bool,
     (then killed it) would wait for a dead rank in its own teardown: every TP=2 shutdown on
     two H200s hung (2026-11-27, eebda9e), where gloo's local teardown on the CPU had not."""
     if graceful:
+        if workers is not None:
+            workers.stopping()  # their exits from here on are expected, not deaths to abort for
         try:
             tp.send(None)
         except Exception:  # noqa: BLE001 - a worker gone already: reaped below
