@@ -325,7 +325,7 @@ def _decode_line(name: str, d: dict, target: float | None) -> str:
 
 
 def _throughput(setup: Setup, engine, size: int, worker_stats: str, report: Report) -> dict:
-    """Output tokens/s of THROUGHPUT_REQUESTS x 128/128 (a warm-up run, the median of 2), and over
+    """Output tokens/s of THROUGHPUT_REQUESTS x 128/128 (a warm-up run, the median of 3), and over
     those runs: rank 0's mean step, its wait for the device's draws, and the worker's host time."""
     from pagedattn.benchmarks import engine_offline as offline
     from pagedattn.engine import launched_step
@@ -339,7 +339,7 @@ def _throughput(setup: Setup, engine, size: int, worker_stats: str, report: Repo
     n, length = setup.n(THROUGHPUT_REQUESTS), setup.n(128)
     lengths = [(length, length)] * n
     cell = offline.measure(lambda rep: offline.run_ours(engine, offline.make_requests(
-        lengths, vocab_size=engine.spec.vocab_size, seed=0, rep=rep)), 2, 120.0, lambda: None)
+        lengths, vocab_size=engine.spec.vocab_size, seed=0, rep=rep)), 3, 120.0, lambda: None)
     steps = clock.calls["step"]
     out = {k: cell[k] for k in ("tokens_per_s", "runs_s", "median_s", "note")}
     wait = clock.wall["wait for the device"]  # the wait spins (a CPU busy all the while): wall time apart
