@@ -66,35 +66,56 @@ def _run_on_cpu() -> list[list[torch.Tensor]]:
 
 def _run_on_gpu() -> list[list[torch.Tensor]]:
     device = torch.device("cuda")
-    # Compile and load every variant first, alone on buffers of its own with its waits released:
-    # loading a module waits for the device's running kernels, here one rank's spinning wait for
-    # the other's launch, which the same host thread would make only after the load.
-    scratch = [torch.zeros(buffer_bytes(PROGRAMS, WORLD, SLOT_BYTES), dtype=torch.uint8, device=device)
-               for _ in range(WORLD)]
-    alone = make_slots([b.data_ptr() for b in scratch], 0, SLOT_BYTES, PROGRAMS, device)
-    alone.abort.fill_(1)
-    _calls(0, alone, device)
-    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream() for _ in range(WORLD)]
+    # Each rank's calls run once first, alone on buffers of their own with their waits released,
+    # on its stream: the kernels compile and load, and the allocator caches every block the calls
+    # take on that stream. A device allocation or a module load made while one rank's kernel
+    # spins, waiting for the other's launch from this same thread, would wait for that kernel.
+    for r in range(WORLD):
+        scratch = [torch.zeros(buffer_bytes(PROGRAMS, WORLD, SLOT_BYTES), dtype=torch.uint8, device=device)
+                   for _ in range(WORLD)]
+        alone = make_slots([b.data_ptr() for b in scratch], r, SLOT_BYTES, PROGRAMS, device)
+        alone.abort.fill_(1)
+        with torch.cuda.stream(streams[r]):
+            _calls(r, alone, device)
+        torch.cuda.synchronize()
     buffers = [torch.zeros(buffer_bytes(PROGRAMS, WORLD, SLOT_BYTES), dtype=torch.uint8, device=device)
                for _ in range(WORLD)]
     ptrs = [b.data_ptr() for b in buffers]
     slots = [make_slots(ptrs, r, SLOT_BYTES, PROGRAMS, device) for r in range(WORLD)]
-    streams = [torch.cuda.Stream() for _ in range(WORLD)]
     torch.cuda.synchronize()
-    results = []
-    for r in range(WORLD):
-        with torch.cuda.stream(streams[r]):  # the first rank's waits spin until the second's flags arrive
-            results.append(_calls(r, slots[r], device) if r else None)
-    # rank 0 last but on its own stream: both ranks' kernels in flight together
-    with torch.cuda.stream(streams[0]):
-        results[0] = _calls(0, slots[0], device)
+    results = [None] * WORLD
+    for r in (1, 0):  # rank 1's waits spin until rank 0's flags arrive: both ranks' kernels in flight together
+        with torch.cuda.stream(streams[r]):
+            results[r] = _calls(r, slots[r], device)
     torch.cuda.synchronize()
     return [[t.float().cpu() for t in rank] for rank in results]
 
 
+def _gpu_process(queue) -> None:
+    queue.put([[t.numpy() for t in rank] for rank in _run_on_gpu()])
+
+
+def _run_on_gpu_bounded(timeout_s: float = 120.0) -> list[list[torch.Tensor]]:
+    """`_run_on_gpu` in a process of its own: a wait that never ends fails the test, not the run."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_gpu_process, args=(queue,))
+    proc.start()
+    try:
+        got = queue.get(timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - queue.Empty: the ranks never met
+        pytest.fail(f"two ranks on two streams did not finish within {timeout_s:.0f} s")
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    return [[torch.from_numpy(a) for a in rank] for rank in got]
+
+
 def test_two_ranks_sum_add_and_normalise_alike():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    got = _run_on_gpu() if device.type == "cuda" else _run_on_cpu()
+    got = _run_on_gpu_bounded() if device.type == "cuda" else _run_on_cpu()
     parts, bf16, residual, weight = _inputs(torch.device("cpu"))
     total = sum(parts)
     for i in range(3):
