@@ -29,11 +29,14 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedattn.device_profile import DeviceProfile
-from pagedattn.kernels.all_reduce import SymmetricSlots, buffer_bytes, fits, make_slots, one_shot_all_reduce
+
+if TYPE_CHECKING:  # the kernels are imported where they run: importing them reads TRITON_INTERPRET
+    from pagedattn.kernels.all_reduce import SymmetricSlots
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +101,9 @@ class OneShotAllReduce:
     `one_shot.norm(x, weight, eps, residual)` for the sum's residual add and RMSNorm at once."""
 
     def __init__(self, slots: SymmetricSlots, handle=None, buffer: torch.Tensor | None = None) -> None:
+        from pagedattn.kernels import all_reduce as kernel
+
+        self._kernel = kernel
         self.slots = slots
         self.handle = handle
         self.buffer = buffer  # the symmetric allocation: kept while the kernel may write into it
@@ -110,17 +116,17 @@ class OneShotAllReduce:
     def fits(self, x: torch.Tensor) -> bool:
         """Whether the kernel takes `x`: a float dtype, contiguous, rows (the last dimension) of
         at most 16k, at most `max_bytes`, on the group's device."""
-        return fits(x, self.slots)
+        return self._kernel.fits(x, self.slots)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (any shape that `fits`) summed over the ranks, in a new tensor; x is left as it was.
         No allocation but the output's (from the graph's pool inside a capture), no host wait."""
-        return one_shot_all_reduce(x, self.slots)
+        return self._kernel.one_shot_all_reduce(x, self.slots)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
         """RMSNorm (`weight`, `eps`) of x summed over the ranks [plus `residual`], as
         `fused_layers.rms_norm` returns it: normed, or (normed, sum + residual)."""
-        return one_shot_all_reduce(x, self.slots, weight=weight, eps=eps, residual=residual)
+        return self._kernel.one_shot_all_reduce(x, self.slots, weight=weight, eps=eps, residual=residual)
 
     def release(self) -> None:
         """A peer died: every wait of this rank's queued and future one-shot kernels passes
@@ -143,6 +149,8 @@ def make_one_shot(device_group, device: torch.device, size: int, *, one_host: bo
     leaves every rank on NCCL rather than some waiting for a peer that gave up; a rank that dies
     inside the rendezvous itself, while the others wait in it, is left to the store's timeout."""
     import torch.distributed._symmetric_memory as symm_mem
+
+    from pagedattn.kernels.all_reduce import buffer_bytes, make_slots
 
     why = one_shot_unsupported(device, size, one_host=one_host)
     max_bytes = one_shot_max_bytes(size)
