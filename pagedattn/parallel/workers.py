@@ -113,7 +113,7 @@ class WorkerProcesses:
 
     def close(self, grace_s: float = 10.0) -> None:
         """Reap every worker: `grace_s` seconds to exit (they were told to), then SIGKILL."""
-        self._closing = True
+        self.stopping()
         self._finalizer.detach()
         _reap(list(self._procs.values()), [*self._pipes.values(), *self.channel.writers], grace_s)
         self._watcher.join(1.0)

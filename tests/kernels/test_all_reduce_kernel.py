@@ -155,3 +155,48 @@ def test_what_the_kernel_takes():
                                                                                      torch.device("cpu")))
     with pytest.raises(ValueError, match="contiguous float tensor"):
         one_shot_all_reduce(torch.zeros(8, 64)[:, ::2], slots)
+
+
+_COMPILE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pagedattn.kernels.all_reduce import _one_shot_kernel
+sig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16",
+       "data_ptrs": "*i64", "flag_ptrs": "*i64", "counter_ptr": "*i32", "abort_ptr": "*i32", "rank": "i32",
+       "n_rows": "i32", "n_cols": "i32", "slot_elems": "i32", "eps": "fp32", "WORLD": "constexpr",
+       "RESIDUAL": "constexpr", "NORM": "constexpr", "BLOCK": "constexpr"}
+aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12)}  # as the JIT specialises
+out = {}
+for cc in map(int, sys.argv[1:]):
+    for fused in (False, True):
+        src = ASTSource(_one_shot_kernel, sig, constexprs={"WORLD": 2, "RESIDUAL": fused, "NORM": fused, "BLOCK": 8192},
+                        attrs=aligned)
+        k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": 16})
+        ptx = k.asm["ptx"]
+        out[f"{cc} {fused}"] = {"shared": k.metadata.shared, "release": "atom.global.sys.release" in ptx,
+                                "acquire": "ld.global.sys.acquire" in ptx, "vector": "st.global.v4" in ptx}
+print(json.dumps(out))
+"""
+
+
+def test_the_kernel_compiles_for_each_gpu_generation():
+    # The interpreter never lowers the kernel: compile it for sm_80/86/89/90 (A100, A10, L40S,
+    # H100) as the JIT would, and check that the flags keep their system-scope release and
+    # acquire, the rows move in 16-byte vectors, and shared memory stays far below any GPU's.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.compiler", reason="compiling for a GPU target needs triton's backends")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE, "80", "86", "89", "90"], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(report) == 8
+    for name, r in report.items():
+        assert r["release"] and r["acquire"] and r["vector"], name
+        assert r["shared"] < 4096, name
